@@ -1,0 +1,3 @@
+"""rlhflab: PPO-based RLHF with honest evaluation."""
+
+__version__ = "0.1.0"

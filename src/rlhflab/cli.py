@@ -1,0 +1,115 @@
+"""`rlhflab <stage> --config file.yaml --field value`.
+
+Stages: demo, sft, eval, tasks export. `rlhflab <stage> --help` lists every
+field with its default and help.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Must precede the first torch import: with OpenMP's default spin-waiting, 2 torch
+# threads on a 2-vCPU machine ran 5-6x slower (../shared/FACTS.md).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import difflib  # noqa: E402
+import logging  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from rlhflab.config import STAGES, parse_config  # noqa: E402
+from rlhflab.errors import UserInputError  # noqa: E402
+
+USAGE = """usage: rlhflab <stage> [--config FILE.yaml] [--field value ...]
+
+stages:
+  demo           tiny model -> SFT -> held-out pass rate, in minutes on a CPU
+  sft            supervised fine-tuning (completion-only loss)
+  eval           generate answers to a split's prompts and check them
+  tasks export   write the built-in suite as JSONL (sft / pairs / prompts per split)
+
+`rlhflab <stage> --help` lists every field with its default and help.
+"""
+
+
+def run_demo(cfg) -> int:
+    from rlhflab.demo import run_demo as demo
+    from rlhflab.eval import format_table
+
+    result = demo(cfg)
+    summary = result.summary
+    print(format_table(summary["test_tables"], title=f"test pass rate ({summary['decoding']})"))
+    print(f"\nrun folder: {result.run_dir}   wall time: {summary['wall_time_s']['total']:.0f} s")
+    return 0
+
+
+def run_sft(cfg) -> int:
+    from rlhflab.trainers import sft
+
+    result = sft.train(cfg)
+    validation = result.summary.get("validation", {})
+    print(f"model: {result.model_dir}")
+    print("validation: " + ", ".join(f"{k} {v:.3f}" for k, v in validation.items()))
+    return 0
+
+
+def run_eval(cfg) -> int:
+    from rlhflab.eval import evaluate, format_table
+
+    result = evaluate(cfg)
+    print(format_table({Path(cfg.model).name or cfg.model: result.summary["pass_rate"]}, title=f"{cfg.split} pass rate"))
+    print(f"\nanswers and verdicts: {result.run_dir / 'samples.jsonl'}")
+    return 0
+
+
+def run_tasks_export(cfg) -> int:
+    from rlhflab import tasks
+
+    kinds = [k.strip() for k in cfg.pair_kinds.split(",") if k.strip()] or None
+    for kind in kinds or []:
+        if kind not in tasks.VIOLATION_KINDS:
+            close = difflib.get_close_matches(kind, tasks.VIOLATION_KINDS, n=1)
+            hint = f"did you mean '{close[0]}'?" if close else f"choose from {', '.join(tasks.VIOLATION_KINDS)}"
+            raise UserInputError(f"unknown violation kind '{kind}'", "--pair_kinds", hint)
+    out = Path(cfg.output_dir or "data/suite")
+    written = tasks.export_suite(
+        out, seed=cfg.split_seed, train=cfg.num_train_prompts, validation=cfg.num_validation_prompts,
+        test=cfg.num_test_prompts, sft_examples=cfg.sft_examples, violation_fraction=cfg.violation_fraction,
+        dominant_share=cfg.dominant_share, pair_kinds=kinds, pairs_per_prompt=cfg.pairs_per_prompt,
+    )
+    for name, path in written.items():
+        print(f"{name:>22}  {path}")
+    return 0
+
+
+COMMANDS = {"demo": run_demo, "sft": run_sft, "eval": run_eval, "tasks export": run_tasks_export}
+
+
+def split_stage(argv: list[str]) -> tuple[str, list[str]]:
+    """'tasks export --out x' -> ('tasks export', ['--out', 'x'])."""
+    if len(argv) >= 2 and f"{argv[0]} {argv[1]}" in COMMANDS:
+        return f"{argv[0]} {argv[1]}", argv[2:]
+    if argv[0] in COMMANDS:
+        return argv[0], argv[1:]
+    close = difflib.get_close_matches(argv[0], list(COMMANDS), n=1)
+    hint = f"did you mean '{close[0]}'?" if close else "run `rlhflab --help` for the list"
+    raise UserInputError(f"unknown stage '{' '.join(argv[:2])}'", "rlhflab", hint)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0
+    logging.basicConfig(level=logging.INFO, format="rlhflab: %(message)s")
+    try:
+        stage, rest = split_stage(argv)
+        cfg = parse_config(STAGES[stage], rest, prog=f"rlhflab {stage}")
+        return COMMANDS[stage](cfg)
+    except UserInputError as err:
+        print(f"rlhflab: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,230 @@
+"""One frozen config dataclass per stage, built from small shared parts.
+
+Every stage config is a flat dataclass assembled by inheritance from the parts
+below (model, data, optimiser, generation, run), so a YAML file's keys are the
+field names and `--field value` flags override them. Parsing goes through
+`transformers.HfArgumentParser`, as TRL users know it; see `parse_config`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from transformers import HfArgumentParser
+
+from rlhflab.errors import UserInputError
+
+
+def arg(default: Any, help: str, **extra: Any) -> Any:
+    """A config field with its one-line help (shown by `rlhflab <stage> --help`)."""
+    return dataclasses.field(default=default, metadata={"help": help, **extra})
+
+
+# --- shared parts -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RunFields:
+    output_dir: str = arg("", "run folder to write; empty = runs/<stage>-<timestamp>", aliases=["--out"])
+    overwrite: bool = arg(False, "allow writing into a folder that already holds another run")
+    seed: int = arg(0, "seed for model init, data order and sampling")
+    threads: int = arg(0, "torch CPU threads; 0 = all cores (OMP_WAIT_POLICY=PASSIVE is set for you)")
+    log_every: int = arg(10, "write metrics every N optimiser steps")
+    report_to: str = arg("none", "extra metric sinks besides metrics.jsonl: none, tensorboard, wandb (comma-separated)")
+    progress: bool = arg(True, "show a progress bar")
+
+
+@dataclass(frozen=True)
+class ModelFields:
+    model: str = arg("", "causal LM: local folder or hub id; empty = build the tiny default model")
+    tokenizer: str = arg("", "tokenizer folder or hub id; empty = the model's own")
+    trust_remote_code: bool = arg(False, "run code shipped with a hub model (off unless you trust it)")
+    dtype: str = arg("float32", "weights dtype: float32, bfloat16, float16 or auto")
+
+
+@dataclass(frozen=True)
+class TinyModelFields:
+    arch: str = arg("llama", "tiny model architecture: llama, gpt2, qwen2 or gpt_neox")
+    hidden_size: int = arg(96, "tiny model width")
+    num_layers: int = arg(3, "tiny model depth")
+    num_heads: int = arg(4, "tiny model attention heads")
+    intermediate_size: int = arg(256, "tiny model MLP width")
+    vocab_size: int = arg(384, "BPE vocabulary size of the tiny tokenizer")
+
+
+@dataclass(frozen=True)
+class SuiteFields:
+    split_seed: int = arg(0, "seed of the built-in suite's train/validation/test split")
+    num_train_prompts: int = arg(400, "built-in suite: prompts in the train split")
+    num_validation_prompts: int = arg(100, "built-in suite: prompts in the validation split")
+    num_test_prompts: int = arg(100, "built-in suite: prompts in the test split")
+    sft_examples: int = arg(4000, "built-in suite: SFT demonstrations drawn from the train split's content")
+    violation_fraction: float = arg(0.6, "built-in suite: share of SFT demonstrations that violate the format")
+    dominant_share: float = arg(0.75, "built-in suite: share of violations that are the family's dominant kind")
+
+
+@dataclass(frozen=True)
+class DataFields:
+    train_file: str = arg("", "training data (JSONL, Parquet or datasets folder); empty = built-in suite")
+    validation_file: str = arg("", "validation data; empty = built-in suite's validation split")
+    max_prompt_tokens: int = arg(96, "prompts longer than this are bad rows")
+    max_length: int = arg(160, "prompt + completion tokens per training sequence")
+    strict: bool = arg(False, "fail on the first bad data row instead of dropping bad rows")
+
+
+@dataclass(frozen=True)
+class OptimFields:
+    learning_rate: float = arg(2e-3, "peak AdamW learning rate")
+    weight_decay: float = arg(0.0, "AdamW weight decay")
+    adam_beta1: float = arg(0.9, "AdamW beta1")
+    adam_beta2: float = arg(0.95, "AdamW beta2")
+    adam_eps: float = arg(1e-8, "AdamW epsilon")
+    lr_schedule: Literal["cosine", "linear", "constant"] = arg("cosine", "decay after warmup")
+    warmup_steps: int = arg(100, "linear warmup steps")
+    max_grad_norm: float = arg(1.0, "clip the global gradient norm to this; 0 = off")
+    gradient_accumulation_steps: int = arg(1, "micro-batches per optimiser step")
+
+
+@dataclass(frozen=True)
+class GenerationFields:
+    max_new_tokens: int = arg(32, "response-length cap in tokens")
+    do_sample: bool = arg(False, "sample (True) or greedy decoding (False) in evaluation")
+    temperature: float = arg(1.0, "sampling temperature")
+    top_k: int = arg(0, "keep the k most likely tokens when sampling; 0 = off")
+    top_p: float = arg(1.0, "nucleus sampling mass; 1.0 = off")
+    eval_batch_size: int = arg(100, "prompts per generation batch in evaluation")
+
+
+# --- stage configs ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SFTConfig(RunFields, ModelFields, TinyModelFields, SuiteFields, DataFields, OptimFields, GenerationFields):
+    """`rlhflab sft`: supervised fine-tuning on prompt/completion demonstrations."""
+
+    max_steps: int = arg(600, "optimiser steps")
+    batch_size: int = arg(64, "sequences per optimiser step (split over gradient_accumulation_steps)")
+    eval_every: int = arg(200, "validation loss and pass rate every N steps; 0 = only at the end")
+    eval_prompts: int = arg(100, "validation prompts used for the periodic pass rate")
+
+
+@dataclass(frozen=True)
+class EvalConfig(RunFields, ModelFields, SuiteFields, GenerationFields):
+    """`rlhflab eval`: generate answers to a split's prompts and check them."""
+
+    split: Literal["train", "validation", "test"] = arg("test", "which split of the built-in suite")
+    prompts_file: str = arg("", "prompts file (needs `reference` and `family` columns); empty = built-in suite")
+
+
+@dataclass(frozen=True)
+class TasksExportConfig(RunFields, SuiteFields):
+    """`rlhflab tasks export`: write the built-in suite as JSONL in TRL's columns."""
+
+    pair_kinds: str = arg("", "comma-separated violation kinds for rejected answers; empty = all")
+    pairs_per_prompt: int = arg(3, "rejected answers (pairs) per prompt")
+
+
+@dataclass(frozen=True)
+class DemoConfig(SFTConfig):
+    """`rlhflab demo`: tiny model -> SFT -> held-out evaluation, in minutes on a CPU."""
+
+
+STAGES: dict[str, type] = {
+    "sft": SFTConfig,
+    "eval": EvalConfig,
+    "tasks export": TasksExportConfig,
+    "demo": DemoConfig,
+}
+
+
+# --- parsing --------------------------------------------------------------------------
+
+
+def field_names(config_cls: type) -> list[str]:
+    return [f.name for f in dataclasses.fields(config_cls)]
+
+
+def _closest(name: str, names: list[str]) -> str:
+    match = difflib.get_close_matches(name, names, n=1, cutoff=0.6)
+    return f"did you mean '{match[0]}'?" if match else f"run with --help to list the {len(names)} valid keys"
+
+
+_EXAMPLES = {bool: "true", int: "10", float: "0.001", str: "some-text"}
+
+
+def _coerce(name: str, value: Any, kind: Any, where: str) -> Any:
+    """Check a YAML value against the field's type; ints are accepted for floats."""
+    origin = typing.get_origin(kind)
+    if origin is Literal:
+        if value not in typing.get_args(kind):
+            raise UserInputError(f"'{name}' must be one of {list(typing.get_args(kind))}, got {value!r}", where)
+        return value
+    expected = {bool: (bool,), int: (int,), float: (int, float), str: (str,)}[kind]
+    if isinstance(value, bool) and kind is not bool or not isinstance(value, expected):
+        raise UserInputError(
+            f"'{name}' should be {kind.__name__}, got {type(value).__name__} {value!r}",
+            where,
+            f"write e.g. {name}: {_EXAMPLES[kind]}",
+        )
+    return float(value) if kind is float else value
+
+
+def read_yaml_config(path: str, config_cls: type) -> dict[str, Any]:
+    """Load a YAML mapping and check every key and value against `config_cls`."""
+    file = Path(path)
+    if not file.is_file():
+        raise UserInputError(f"config file not found: {path}", "--config", "pass the path of an existing YAML file")
+    try:
+        values = yaml.safe_load(file.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise UserInputError(f"not valid YAML ({err})", path, "fix the syntax or pass another file") from err
+    if not isinstance(values, dict):
+        raise UserInputError("a config file must be a mapping of field: value", path)
+    names = field_names(config_cls)
+    hints = typing.get_type_hints(config_cls)
+    checked = {}
+    for key, value in values.items():
+        if key not in names:
+            raise UserInputError(f"unknown config key '{key}'", path, _closest(str(key), names))
+        checked[key] = _coerce(key, value, hints[key], f"{path}: {key}")
+    return checked
+
+
+def build_parser(config_cls: type, prog: str) -> HfArgumentParser:
+    parser = HfArgumentParser(config_cls, prog=prog, description=config_cls.__doc__, allow_abbrev=False)
+    parser.add_argument("--config", default=None, help="YAML file whose keys are the field names; flags override it")
+    return parser
+
+
+def parse_config(config_cls: type, argv: list[str], prog: str) -> Any:
+    """Defaults < YAML file (`--config`) < command-line flags -> a frozen config."""
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    pre.add_argument("--config", default=None)
+    known, _ = pre.parse_known_args(argv)
+    parser = build_parser(config_cls, prog)
+    if known.config:
+        parser.set_defaults(**read_yaml_config(known.config, config_cls))
+    namespace, unknown = parser.parse_known_args(argv)
+    flags = [token for token in unknown if token.startswith("--")]
+    if unknown:
+        bad = flags[0] if flags else unknown[0]
+        name = bad.lstrip("-").split("=")[0].replace("-", "_")
+        raise UserInputError(f"unknown option '{bad}'", prog, _closest(name, field_names(config_cls)))
+    values = {k: v for k, v in vars(namespace).items() if k != "config"}
+    return config_cls(**values)
+
+
+def config_to_dict(config: Any) -> dict[str, Any]:
+    return dataclasses.asdict(config)
+
+
+def write_config(config: Any, path: Path) -> None:
+    """Write the effective config as YAML; it can be passed back with --config."""
+    path.write_text(yaml.safe_dump(config_to_dict(config), sort_keys=False))

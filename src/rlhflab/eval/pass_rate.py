@@ -1,0 +1,86 @@
+"""Held-out pass rate: answer a split's prompts, check every answer, tabulate."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from rlhflab import data, models, tasks
+from rlhflab.config import EvalConfig, write_config
+from rlhflab.errors import UserInputError
+from rlhflab.rollout import GenerationSettings, generate_answers
+from rlhflab.tracking import RunDir, RunResult, default_run_path
+from rlhflab.trainers.setup import configure_threads, seed_everything
+
+
+def eval_items(cfg: EvalConfig) -> list[tasks.TaskItem]:
+    """The built-in split, or a prompts file with `prompt`, `family` and `reference` columns."""
+    if not cfg.prompts_file:
+        splits = tasks.build_splits(cfg.split_seed, cfg.num_train_prompts, cfg.num_validation_prompts, cfg.num_test_prompts)
+        return splits[cfg.split]
+    rows = data.load_examples(cfg.prompts_file, "prompts", strict=True)
+    return [tasks.TaskItem(r.family or "user", r.prompt, r.reference or "", ()) for r in rows]
+
+
+def answer_and_check(model, tokenizer, items: list[tasks.TaskItem], cfg, progress: bool = True) -> list[dict]:
+    settings = GenerationSettings(cfg.max_new_tokens, cfg.do_sample, cfg.temperature, cfg.top_k, cfg.top_p)
+    generator = torch.Generator().manual_seed(cfg.seed)
+    answers = generate_answers(
+        model, tokenizer, [i.prompt for i in items], settings,
+        batch_size=cfg.eval_batch_size, generator=generator, progress=progress,
+    )
+    rows = []
+    for item, answer in zip(items, answers):
+        verdict = tasks.check(item, answer.text, answer.ended_with_eos)
+        rows.append({
+            "family": item.family, "prompt": item.prompt, "answer": answer.text, "reference": item.reference,
+            "passed": verdict.passed, "kind": verdict.kind, "reason": verdict.reason,
+            "ended_with_eos": answer.ended_with_eos, "response_tokens": answer.num_tokens,
+        })
+    return rows
+
+
+def table_from_rows(rows: list[dict]) -> dict:
+    verdicts = [(r["family"], tasks.Verdict(r["passed"], r["kind"], r["reason"])) for r in rows]
+    return tasks.pass_rate_table(verdicts)
+
+
+def format_table(tables: dict[str, dict], title: str = "held-out pass rate") -> str:
+    """Side-by-side per-family pass rates, one column per named table (e.g. sft, ppo)."""
+    names = list(tables)
+    families = sorted({f for t in tables.values() for f in t["per_family"]})
+    width = max([len(f) for f in families] + [len("overall"), 8])
+    head = f"{title:<{width}}  " + "  ".join(f"{n:>8}" for n in names)
+    lines = [head, "-" * len(head)]
+    for family in families:
+        cells = "  ".join(f"{tables[n]['per_family'].get(family, float('nan')):>8.0%}" for n in names)
+        count = next(t["counts"][family] for t in tables.values() if family in t["counts"])
+        lines.append(f"{family:<{width}}  {cells}   (n={count})")
+    lines.append("-" * len(head))
+    lines.append(f"{'overall':<{width}}  " + "  ".join(f"{tables[n]['overall']:>8.1%}" for n in names))
+    return "\n".join(lines)
+
+
+def evaluate(cfg: EvalConfig, run: RunDir | None = None) -> RunResult:
+    """`rlhflab eval`: pass rate of `cfg.model` on a split; writes samples and summary."""
+    started = time.time()
+    configure_threads(cfg.threads)
+    seed_everything(cfg.seed)
+    if not cfg.model:
+        raise UserInputError("no model given", "--model", "pass a model folder, e.g. runs/demo-.../sft/model")
+    run = run or RunDir(cfg.output_dir or default_run_path("eval"), overwrite=cfg.overwrite, report_to=cfg.report_to)
+    write_config(cfg, run.path / "config.yaml")
+    run.write_versions()
+    tokenizer = models.load_tokenizer(cfg.tokenizer or cfg.model, trust_remote_code=cfg.trust_remote_code)
+    model = models.load_causal_lm(cfg.model, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code)
+    rows = answer_and_check(model, tokenizer, eval_items(cfg), cfg, progress=cfg.progress)
+    run.add_samples(rows)
+    table = table_from_rows(rows)
+    run.log({f"{cfg.split}/pass_rate": table["overall"]}, step=0)
+    summary = run.update_summary(
+        stage="eval", model=cfg.model, split=cfg.split, pass_rate=table,
+        decoding="sampled" if cfg.do_sample else "greedy", wall_time_s={"eval": round(time.time() - started, 1)},
+    )
+    run.close()
+    return RunResult(run.path, summary)

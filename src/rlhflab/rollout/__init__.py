@@ -1,0 +1,14 @@
+"""Generation: batched, KV-cached, left-padded, stopping at EOS."""
+
+from rlhflab.rollout.answers import Answer, decode_responses, generate_answers
+from rlhflab.rollout.generate import Generated, GenerationSettings, generate, response_mask_after_eos
+
+__all__ = [
+    "Answer",
+    "Generated",
+    "GenerationSettings",
+    "decode_responses",
+    "generate",
+    "generate_answers",
+    "response_mask_after_eos",
+]

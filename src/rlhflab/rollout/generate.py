@@ -1,0 +1,109 @@
+"""Batched generation with a KV cache, left padding and early stop at EOS.
+
+Prompts are left-padded and given explicit position ids, so a sequence's
+tokens and log-probs do not depend on how much padding its batch needed
+(DESIGN.md, correctness rules). The loop ends as soon as every sequence has
+produced EOS instead of always running to the length cap (TRL issue #2387).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from rlhflab.data import left_pad, position_ids_from_mask
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    max_new_tokens: int = 32
+    do_sample: bool = True
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+
+@dataclass(frozen=True)
+class Generated:
+    query_ids: Tensor  # (B, P) left-padded prompt tokens
+    query_mask: Tensor  # (B, P) bool, True on real prompt tokens
+    response_ids: Tensor  # (B, T) response tokens; pad_id after the first EOS
+    response_mask: Tensor  # (B, T) bool, True up to and including the first EOS
+    ended_with_eos: Tensor  # (B,) bool, False when the response hit the length cap
+
+
+def filter_logits(logits: Tensor, top_k: int, top_p: float) -> Tensor:
+    """Set logits outside the top-k / nucleus (top-p) set to -inf. (B, V) -> (B, V)."""
+    if top_k > 0:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # drop a token when the mass strictly before it already reaches top_p
+        drop_sorted = probs.cumsum(dim=-1) - probs >= top_p
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def next_tokens(logits: Tensor, settings: GenerationSettings, generator: torch.Generator | None) -> Tensor:
+    """Pick one token per row from last-position logits (B, V) -> (B,)."""
+    if not settings.do_sample:
+        return logits.argmax(dim=-1)
+    logits = filter_logits(logits.float() / settings.temperature, settings.top_k, settings.top_p)
+    probs = torch.softmax(logits, dim=-1)
+    return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
+
+
+@torch.no_grad()
+def generate(
+    model: torch.nn.Module,
+    prompts: list[list[int]],
+    *,
+    pad_id: int,
+    eos_id: int,
+    settings: GenerationSettings,
+    generator: torch.Generator | None = None,
+) -> Generated:
+    """Sample (or greedily decode) a response for every prompt, with a KV cache."""
+    device = next(model.parameters()).device
+    query_ids, query_mask = (t.to(device) for t in left_pad(prompts, pad_id))
+    batch = query_ids.shape[0]
+    attention = query_mask.long()
+    positions = position_ids_from_mask(attention)
+    out = model(input_ids=query_ids, attention_mask=attention, position_ids=positions, use_cache=True, logits_to_keep=1)
+    cache = out.past_key_values
+    last_position = positions[:, -1:]
+    finished = torch.zeros(batch, dtype=torch.bool, device=device)
+    tokens: list[Tensor] = []
+    for _ in range(settings.max_new_tokens):
+        token = next_tokens(out.logits[:, -1, :], settings, generator)
+        token = torch.where(finished, torch.full_like(token, pad_id), token)
+        tokens.append(token)
+        finished = finished | (token == eos_id)
+        if bool(finished.all()):
+            break
+        attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=1)
+        last_position = last_position + 1
+        out = model(
+            input_ids=token.unsqueeze(1),
+            attention_mask=attention,
+            position_ids=last_position,
+            past_key_values=cache,
+            use_cache=True,
+        )
+        cache = out.past_key_values
+    response_ids = torch.stack(tokens, dim=1)  # (B, T)
+    response_mask = response_mask_after_eos(response_ids, eos_id)
+    response_ids = response_ids.masked_fill(~response_mask, pad_id)
+    return Generated(query_ids, query_mask.bool(), response_ids, response_mask, finished)
+
+
+def response_mask_after_eos(response_ids: Tensor, eos_id: int) -> Tensor:
+    """(B, T) True up to and including the first EOS of each row, False after it."""
+    is_eos = (response_ids == eos_id).long()
+    eos_seen_before = is_eos.cumsum(dim=1) - is_eos
+    return eos_seen_before == 0

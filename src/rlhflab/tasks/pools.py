@@ -1,0 +1,100 @@
+"""Content pools and their disjoint train / validation / test partition.
+
+Held-out evaluation only means something if test prompts use words and numbers
+the model never saw in training, so the pools are split first and every item is
+drawn from one split's pool. Structural values (repeat counts, list lengths,
+JSON keys) are not content and are shared by all splits.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+from dataclasses import dataclass
+
+# Simple lowercase 3-6 letter words: no plurals, no words the templates use
+# ("word", "item", "key", "name", "yes", "no"), so content never collides with a frame.
+WORDS: tuple[str, ...] = (
+    # animals
+    "cat", "dog", "fox", "owl", "bee", "ant", "cow", "pig", "hen", "elk", "yak", "bat",
+    "eel", "ram", "tiger", "lion", "bear", "wolf", "deer", "frog", "duck", "goat", "crab",
+    "seal", "mole", "swan", "hawk", "lamb", "moth", "toad", "mouse", "horse", "sheep",
+    "zebra", "camel", "otter", "panda", "koala", "snake", "whale", "shark", "eagle",
+    "goose", "llama", "rabbit", "turtle", "donkey", "monkey", "parrot", "spider",
+    # colours
+    "red", "blue", "green", "pink", "gold", "gray", "black", "white", "brown", "amber",
+    "coral", "ivory", "cyan",
+    # food
+    "egg", "jam", "pie", "tea", "rice", "corn", "milk", "soup", "cake", "bread", "apple",
+    "lemon", "grape", "melon", "mango", "peach", "pear", "plum", "bean", "honey", "salt",
+    "sugar", "candy", "pasta", "onion",
+    # objects
+    "cup", "box", "hat", "pen", "bag", "map", "bed", "car", "bus", "van", "cap", "mug",
+    "jar", "pot", "lamp", "desk", "door", "ring", "bell", "coin", "book", "boat", "drum",
+    "kite", "rope", "sock", "shoe", "fork", "bowl", "sofa", "chair", "table", "clock",
+    "brush", "spoon", "glass", "piano", "radio", "wagon", "tent", "flag", "vase", "comb",
+    "nail", "broom", "candle", "basket", "pillow", "mirror", "bottle", "button", "hammer",
+    "ladder",
+    # nature
+    "sun", "sky", "sea", "ice", "oak", "fog", "hill", "lake", "rock", "sand", "leaf",
+    "rain", "snow", "star", "moon", "wind", "tree", "cloud", "river", "stone", "grass",
+    "beach", "storm", "field", "flower", "forest", "island", "garden",
+)  # fmt: skip
+
+NUMBERS: tuple[int, ...] = tuple(range(1, 99))
+
+SPLITS: tuple[str, ...] = ("train", "validation", "test")
+SHARES: tuple[float, ...] = (0.6, 0.2, 0.2)
+
+
+@dataclass(frozen=True)
+class ContentPool:
+    """The words and numbers one split may show in its prompts."""
+
+    words: tuple[str, ...]
+    numbers: tuple[int, ...]
+
+
+def small_digits(n: int) -> bool:
+    """Every digit <= 4: any two such numbers add without a carry."""
+    return all(int(d) <= 4 for d in str(n))
+
+
+def carry_free(a: int, b: int) -> bool:
+    """Digit-wise sums all below 10: the tiny model cannot learn carries."""
+    while a or b:
+        if a % 10 + b % 10 >= 10:
+            return False
+        a, b = a // 10, b // 10
+    return True
+
+
+def _cut(values: list, rng: random.Random) -> list[list]:
+    """Shuffle and cut into SPLITS-sized parts by SHARES."""
+    values = list(values)
+    rng.shuffle(values)
+    n_train = round(len(values) * SHARES[0])
+    n_val = round(len(values) * SHARES[1])
+    return [values[:n_train], values[n_train : n_train + n_val], values[n_train + n_val :]]
+
+
+def partition_pools(seed: int = 0) -> dict[str, ContentPool]:
+    """Split WORDS and NUMBERS into disjoint pools, one per split, by a seeded shuffle.
+
+    Numbers are cut in two strata (all digits <= 4, the rest) so every split is
+    guaranteed numbers that add without a carry, whatever the seed.
+    """
+    rng = random.Random(f"rlhflab.tasks.pools:{seed}")
+    word_parts = _cut(sorted(WORDS), rng)
+    small = _cut([n for n in NUMBERS if small_digits(n)], rng)
+    rest = _cut([n for n in NUMBERS if not small_digits(n)], rng)
+    return {
+        split: ContentPool(tuple(word_parts[i]), tuple(small[i] + rest[i]))
+        for i, split in enumerate(SPLITS)
+    }
+
+
+@functools.lru_cache(maxsize=64)
+def carry_free_pairs(numbers: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    """Ordered pairs of distinct pool numbers whose sum needs no carry (cached per pool)."""
+    return tuple((a, b) for a in numbers for b in numbers if a != b and carry_free(a, b))

@@ -1,0 +1,180 @@
+"""The run folder and the one metrics path.
+
+Every command that trains or evaluates writes one folder:
+
+    config.yaml     the effective config (pass it back with --config)
+    versions.json   python, torch, transformers, peft, rlhflab, platform, CPU/GPU
+    metrics.jsonl   one JSON object per logged step, always with "step"
+    samples.jsonl   generated answers with their verdicts
+    summary.json    the run's headline figures, machine-readable
+    model/          HF-format model folder(s)
+
+`RunDir.log` is the single metrics path: metrics.jsonl always, TensorBoard or
+W&B in addition when asked. Reports read these files only.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import sys
+import time
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Iterable
+
+from rlhflab.errors import UserInputError
+
+RUN_MARKERS = ("config.yaml", "summary.json", "metrics.jsonl")
+
+
+def default_run_path(stage: str) -> Path:
+    return Path("runs") / f"{stage}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def _package_version(name: str) -> str | None:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def collect_versions() -> dict[str, Any]:
+    """Software and hardware facts that make a run reproducible and comparable."""
+    import torch  # local: the report layer reads run folders without torch
+
+    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return {
+        "python": sys.version.split()[0],
+        **{name: _package_version(name) for name in ("torch", "transformers", "peft", "accelerate", "rlhflab")},
+        "platform": platform.platform(),
+        "cpu": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+        "gpus": gpus,
+    }
+
+
+def _jsonable(value: Any) -> Any:
+    """Plain floats for tensors / numpy scalars; non-finite floats as strings JSON can hold."""
+    if hasattr(value, "item"):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
+
+
+class RunDir:
+    """A run folder: created once, appended to while the run goes on."""
+
+    def __init__(self, path: str | Path, *, overwrite: bool = False, report_to: str = "none"):
+        self.path = Path(path)
+        if self.path.exists() and not self.path.is_dir():
+            raise UserInputError(f"output path is a file, not a folder: {self.path}", "--output_dir")
+        held = [name for name in RUN_MARKERS if (self.path / name).exists()]
+        if held and not overwrite:
+            raise UserInputError(
+                f"folder already holds a run ({', '.join(held)})",
+                str(self.path),
+                "choose another --output_dir, or pass --overwrite to replace it",
+            )
+        self.path.mkdir(parents=True, exist_ok=True)
+        for name in ("metrics.jsonl", "samples.jsonl"):
+            (self.path / name).write_text("")
+        self._sinks = [_make_sink(name.strip(), self.path) for name in report_to.split(",") if name.strip() != "none"]
+        self.started = time.time()
+
+    def write_json(self, name: str, payload: Any) -> Path:
+        target = self.path / name
+        tmp = target.with_suffix(target.suffix + ".tmp")
+        tmp.write_text(json.dumps(payload, indent=2, default=_jsonable) + "\n")
+        os.replace(tmp, target)
+        return target
+
+    def write_versions(self) -> None:
+        self.write_json("versions.json", collect_versions())
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        row = {"step": step, **{k: _jsonable(v) for k, v in metrics.items()}}
+        with open(self.path / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(row) + "\n")
+        for sink in self._sinks:
+            sink.log(metrics, step)
+
+    def add_samples(self, rows: Iterable[dict[str, Any]]) -> None:
+        with open(self.path / "samples.jsonl", "a") as f:
+            for row in rows:
+                f.write(json.dumps(row, ensure_ascii=False, default=_jsonable) + "\n")
+
+    def update_summary(self, **fields: Any) -> dict[str, Any]:
+        """Merge `fields` into summary.json (nested dicts merge one level deep)."""
+        target = self.path / "summary.json"
+        summary = json.loads(target.read_text()) if target.exists() else {}
+        for key, value in fields.items():
+            if isinstance(value, dict) and isinstance(summary.get(key), dict):
+                summary[key].update(value)
+            else:
+                summary[key] = value
+        self.write_json("summary.json", summary)
+        return summary
+
+    def close(self) -> None:
+        for sink in self._sinks:
+            sink.close()
+
+
+class _TensorBoardSink:
+    def __init__(self, path: Path):
+        from torch.utils.tensorboard import SummaryWriter  # needs the `tensorboard` extra
+
+        self.writer = SummaryWriter(log_dir=str(path / "tensorboard"))
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        for key, value in metrics.items():
+            if isinstance(value, (int, float)) or hasattr(value, "item"):
+                self.writer.add_scalar(key, float(_jsonable(value)), step)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class _WandbSink:
+    def __init__(self, path: Path):
+        import wandb  # needs the `wandb` extra
+
+        self.run = wandb.init(dir=str(path), name=path.name, reinit=True)
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        self.run.log({k: _jsonable(v) for k, v in metrics.items()}, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+SINKS = {"tensorboard": _TensorBoardSink, "wandb": _WandbSink}
+
+
+def _make_sink(name: str, path: Path):
+    if name not in SINKS:
+        raise UserInputError(f"unknown report_to backend '{name}'", "report_to", f"use none or {', '.join(SINKS)}")
+    try:
+        return SINKS[name](path)
+    except ImportError as err:
+        raise UserInputError(
+            f"report_to={name} needs the '{name}' package", "report_to", f"pip install 'rlhflab[{name}]'"
+        ) from err
+
+
+class RunResult:
+    """What a stage hands back: its folder, the model it wrote (if any) and its summary."""
+
+    def __init__(self, run_dir: Path, summary: dict[str, Any], model_dir: Path | None = None):
+        self.run_dir = run_dir
+        self.summary = summary
+        self.model_dir = model_dir
+
+    def __repr__(self) -> str:
+        return f"RunResult(run_dir={str(self.run_dir)!r}, model_dir={str(self.model_dir)!r})"

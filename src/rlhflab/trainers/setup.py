@@ -1,0 +1,68 @@
+"""What every trainer does before its loop: threads, seeds, models, optimiser."""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+
+import numpy as np
+import torch
+from transformers import get_scheduler
+
+from rlhflab import models, tasks
+
+log = logging.getLogger("rlhflab")
+
+
+def configure_threads(threads: int) -> int:
+    """Fix torch's CPU thread count (0 = all cores) and return it.
+
+    OMP_WAIT_POLICY=PASSIVE must be set before torch is imported; the CLI does it.
+    On 2 vCPUs spin-waiting threads made small models 5-6x slower (FACTS.md).
+    """
+    count = threads if threads > 0 else (os.cpu_count() or 1)
+    torch.set_num_threads(count)
+    return count
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def load_or_build_policy(cfg) -> tuple[torch.nn.Module, object]:
+    """Load `cfg.model` with from_pretrained, or build the tiny default when it is empty."""
+    if cfg.model:
+        tokenizer = models.load_tokenizer(cfg.tokenizer or cfg.model, trust_remote_code=cfg.trust_remote_code)
+        model = models.load_causal_lm(cfg.model, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code)
+        return model, tokenizer
+    tokenizer = models.build_tokenizer(tasks.template_corpus(), vocab_size=cfg.vocab_size)
+    model = models.build_tiny_model(
+        tokenizer,
+        arch=cfg.arch,
+        hidden_size=cfg.hidden_size,
+        num_layers=cfg.num_layers,
+        num_heads=cfg.num_heads,
+        intermediate_size=cfg.intermediate_size,
+        seed=cfg.seed,
+    )
+    log.info("built tiny %s model: %s parameters", cfg.arch, f"{models.count_parameters(model):,}")
+    return model, tokenizer
+
+
+def make_optimizer(params, cfg) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(
+        [p for p in params if p.requires_grad],
+        lr=cfg.learning_rate,
+        betas=(cfg.adam_beta1, cfg.adam_beta2),
+        eps=cfg.adam_eps,
+        weight_decay=cfg.weight_decay,
+    )
+
+
+def make_scheduler(optimizer: torch.optim.Optimizer, cfg, total_steps: int):
+    """Linear warmup then cosine / linear decay / constant, via transformers' schedules."""
+    name = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}[cfg.lr_schedule]
+    return get_scheduler(name, optimizer, num_warmup_steps=min(cfg.warmup_steps, total_steps), num_training_steps=total_steps)

@@ -1,0 +1,200 @@
+"""Supervised fine-tuning: next-token loss on completion tokens only.
+
+    rlhflab sft --config configs/sft_tiny.yaml
+
+One optimiser step = `batch_size` sequences split into
+`gradient_accumulation_steps` micro-batches. The loss is the sum of token
+losses over the whole step divided by the step's completion-token count, so
+accumulation gives the same update as one big batch (a per-micro-batch mean
+would weight short micro-batches more; see transformers issue #34191).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from rlhflab import data, models, tasks
+from rlhflab.config import SFTConfig, write_config
+from rlhflab.rollout import GenerationSettings, generate_answers
+from rlhflab.tracking import RunDir, RunResult, default_run_path
+from rlhflab.trainers.setup import (
+    configure_threads,
+    load_or_build_policy,
+    make_optimizer,
+    make_scheduler,
+    seed_everything,
+)
+
+log = logging.getLogger("rlhflab")
+
+
+@dataclass(frozen=True)
+class SFTData:
+    train: list[data.TokenizedSFT]
+    validation: list[data.TokenizedSFT]
+    validation_items: list[tasks.TaskItem]  # prompts with a checker, for the pass rate
+
+
+def suite_examples(rows: list[dict]) -> list[data.SFTExample]:
+    return [data.SFTExample(r["prompt"], r["completion"], r["family"], r["violation"]) for r in rows]
+
+
+def load_sft_data(cfg: SFTConfig, tokenizer) -> SFTData:
+    """User files when given, else the built-in suite (train demos + validation split)."""
+    splits = tasks.build_splits(cfg.split_seed, cfg.num_train_prompts, cfg.num_validation_prompts, cfg.num_test_prompts)
+    if cfg.train_file:
+        train = data.load_examples(
+            cfg.train_file, "sft", tokenizer=tokenizer, max_prompt_tokens=cfg.max_prompt_tokens, strict=cfg.strict
+        )
+    else:
+        items = tasks.sample_items("train", cfg.sft_examples, seed=cfg.seed, split_seed=cfg.split_seed)
+        rows = tasks.sft_rows(items, cfg.violation_fraction, cfg.dominant_share, seed=cfg.seed)
+        train = suite_examples(rows)
+    if cfg.validation_file:
+        validation = data.load_examples(
+            cfg.validation_file, "sft", tokenizer=tokenizer, max_prompt_tokens=cfg.max_prompt_tokens, strict=cfg.strict
+        )
+        validation_items: list[tasks.TaskItem] = []
+    else:
+        validation_items = splits["validation"]
+        validation = [data.SFTExample(i.prompt, i.reference, i.family, "none") for i in validation_items]
+    return SFTData(
+        train=data.tokenize_sft(train, tokenizer, cfg.max_length),
+        validation=data.tokenize_sft(validation, tokenizer, cfg.max_length),
+        validation_items=validation_items[: cfg.eval_prompts],
+    )
+
+
+def completion_loss_sum(model: torch.nn.Module, batch: data.SFTBatch) -> torch.Tensor:
+    """Summed cross-entropy over completion tokens (labels != -100)."""
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits  # (B, L, V)
+    return F.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
+        batch.labels[:, 1:].reshape(-1),
+        ignore_index=-100,
+        reduction="sum",
+    )
+
+
+def train_step(model, optimizer, scheduler, examples: list[data.TokenizedSFT], pad_id: int, cfg: SFTConfig) -> dict:
+    """One optimiser step over `examples`, in gradient_accumulation_steps micro-batches."""
+    micro = math.ceil(len(examples) / cfg.gradient_accumulation_steps)
+    chunks = [examples[i : i + micro] for i in range(0, len(examples), micro)]
+    batches = [data.collate_sft(chunk, pad_id) for chunk in chunks]
+    total_tokens = sum(b.num_label_tokens for b in batches)
+    loss_sum = 0.0
+    for batch in batches:
+        loss = completion_loss_sum(model, batch) / total_tokens
+        loss.backward()
+        loss_sum += loss.item()
+    if not math.isfinite(loss_sum):
+        raise FloatingPointError(f"non-finite SFT loss {loss_sum} at lr {scheduler.get_last_lr()[0]:.2e}")
+    clip = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return {"loss/sft": loss_sum, "grad_norm": grad_norm.item(), "tokens": total_tokens}
+
+
+@torch.no_grad()
+def validation_loss(model, examples: list[data.TokenizedSFT], pad_id: int, batch_size: int = 64) -> float:
+    model.eval()
+    loss_sum, tokens = 0.0, 0
+    for start in range(0, len(examples), batch_size):
+        batch = data.collate_sft(examples[start : start + batch_size], pad_id)
+        loss_sum += completion_loss_sum(model, batch).item()
+        tokens += batch.num_label_tokens
+    model.train()
+    return loss_sum / max(tokens, 1)
+
+
+def pass_rate(model, tokenizer, items: list[tasks.TaskItem], cfg, step: int, run: RunDir | None) -> dict:
+    """Answer `items` with the configured decoding, check them, log the answers as samples."""
+    settings = GenerationSettings(cfg.max_new_tokens, cfg.do_sample, cfg.temperature, cfg.top_k, cfg.top_p)
+    generator = torch.Generator().manual_seed(cfg.seed)
+    answers = generate_answers(
+        model, tokenizer, [i.prompt for i in items], settings, batch_size=cfg.eval_batch_size, generator=generator
+    )
+    verdicts = [tasks.check(item, a.text, a.ended_with_eos) for item, a in zip(items, answers)]
+    if run is not None:
+        run.add_samples(
+            {"step": step, "family": i.family, "prompt": i.prompt, "answer": a.text, "reference": i.reference,
+             "passed": v.passed, "kind": v.kind, "reason": v.reason, "ended_with_eos": a.ended_with_eos}
+            for i, a, v in zip(items, answers, verdicts)
+        )
+    return tasks.pass_rate_table([(i.family, v) for i, v in zip(items, verdicts)])
+
+
+def evaluate_now(model, tokenizer, sft_data: SFTData, cfg, step: int, run: RunDir) -> dict:
+    metrics = {"val/loss": validation_loss(model, sft_data.validation, tokenizer.pad_token_id)}
+    if sft_data.validation_items:
+        table = pass_rate(model, tokenizer, sft_data.validation_items, cfg, step, run)
+        metrics["val/pass_rate"] = table["overall"]
+    run.log(metrics, step=step)
+    return metrics
+
+
+def train(cfg: SFTConfig, run: RunDir | None = None) -> RunResult:
+    """Run SFT as configured; returns the run folder and the HF model folder it wrote."""
+    started = time.time()
+    configure_threads(cfg.threads)
+    seed_everything(cfg.seed)
+    run = run or RunDir(cfg.output_dir or default_run_path("sft"), overwrite=cfg.overwrite, report_to=cfg.report_to)
+    write_config(cfg, run.path / "config.yaml")
+    run.write_versions()
+
+    # 1. model and tokenizer (the tiny default is built from the suite's templates)
+    model, tokenizer = load_or_build_policy(cfg)
+    models.disable_dropout(model)
+    model.train()
+    # 2. data, validated and tokenised up front
+    sft_data = load_sft_data(cfg, tokenizer)
+    order_rng = random.Random(cfg.seed)
+    optimizer = make_optimizer(model.parameters(), cfg)
+    scheduler = make_scheduler(optimizer, cfg, cfg.max_steps)
+    log.info("SFT: %d train / %d validation sequences, %d steps x %d", len(sft_data.train),
+             len(sft_data.validation), cfg.max_steps, cfg.batch_size)
+
+    order: list[int] = []
+    bar = tqdm(range(1, cfg.max_steps + 1), desc="sft", unit="step", disable=not cfg.progress)
+    for step in bar:
+        # 3. next batch_size sequences of a shuffled pass over the data
+        while len(order) < cfg.batch_size:
+            epoch = list(range(len(sft_data.train)))
+            order_rng.shuffle(epoch)
+            order.extend(epoch)
+        batch_ids, order = order[: cfg.batch_size], order[cfg.batch_size :]
+        # 4. one optimiser step with completion-only loss
+        stats = train_step(model, optimizer, scheduler, [sft_data.train[i] for i in batch_ids],
+                           tokenizer.pad_token_id, cfg)
+        if step % cfg.log_every == 0 or step == cfg.max_steps:
+            run.log({**stats, "lr": scheduler.get_last_lr()[0], "elapsed_s": time.time() - started}, step=step)
+            bar.set_postfix(loss=f"{stats['loss/sft']:.3f}")
+        # 5. periodic validation: loss on reference answers and checked pass rate
+        if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.max_steps:
+            metrics = evaluate_now(model, tokenizer, sft_data, cfg, step, run)
+            bar.set_postfix(loss=f"{stats['loss/sft']:.3f}", **{k.split("/")[1]: f"{v:.3f}" for k, v in metrics.items()})
+
+    # 6. the model, as an ordinary HF folder
+    model_dir = run.path / "model"
+    models.save_model_folder(model_dir, model, tokenizer)
+    summary = run.update_summary(
+        stage="sft",
+        final_loss=stats["loss/sft"],
+        validation=metrics,
+        parameters=models.count_parameters(model),
+        wall_time_s={"sft": round(time.time() - started, 1)},
+        model_dir=str(model_dir),
+    )
+    run.close()
+    return RunResult(run.path, summary, model_dir)

@@ -1,0 +1,87 @@
+import dataclasses
+
+import pytest
+import yaml
+
+from rlhflab.config import EvalConfig, SFTConfig, STAGES, build_parser, parse_config
+from rlhflab.errors import UserInputError
+
+
+def test_defaults_then_yaml_then_cli(tmp_path):
+    file = tmp_path / "sft.yaml"
+    file.write_text(yaml.safe_dump({"learning_rate": 0.01, "max_steps": 7, "batch_size": 3}))
+    cfg = parse_config(SFTConfig, ["--config", str(file), "--max_steps", "9"], prog="rlhflab sft")
+    assert cfg.learning_rate == 0.01  # from YAML
+    assert cfg.max_steps == 9  # CLI beats YAML
+    assert cfg.batch_size == 3  # YAML beats default
+    assert cfg.warmup_steps == SFTConfig().warmup_steps  # default kept
+
+
+def test_cli_order_does_not_matter_for_config_flag(tmp_path):
+    file = tmp_path / "sft.yaml"
+    file.write_text("max_steps: 7\n")
+    cfg = parse_config(SFTConfig, ["--max_steps", "11", "--config", str(file)], prog="rlhflab sft")
+    assert cfg.max_steps == 11
+
+
+def test_unknown_yaml_key_suggests_the_closest(tmp_path):
+    file = tmp_path / "sft.yaml"
+    file.write_text("learning_rte: 0.1\n")
+    with pytest.raises(UserInputError) as err:
+        parse_config(SFTConfig, ["--config", str(file)], prog="rlhflab sft")
+    assert "learning_rte" in str(err.value) and "did you mean 'learning_rate'" in str(err.value)
+    assert str(file) in str(err.value)
+
+
+def test_unknown_cli_flag_suggests_the_closest():
+    with pytest.raises(UserInputError) as err:
+        parse_config(SFTConfig, ["--max_step", "3"], prog="rlhflab sft")
+    assert "did you mean 'max_steps'" in str(err.value)
+
+
+def test_abbreviated_flags_are_not_accepted():
+    with pytest.raises(UserInputError):
+        parse_config(SFTConfig, ["--learning", "0.1"], prog="rlhflab sft")
+
+
+def test_yaml_value_of_wrong_type_is_an_error(tmp_path):
+    file = tmp_path / "sft.yaml"
+    file.write_text("max_steps: many\n")
+    with pytest.raises(UserInputError) as err:
+        parse_config(SFTConfig, ["--config", str(file)], prog="rlhflab sft")
+    assert "max_steps" in str(err.value) and "int" in str(err.value)
+
+
+def test_yaml_int_is_accepted_for_float_and_literal_checked(tmp_path):
+    file = tmp_path / "sft.yaml"
+    file.write_text("learning_rate: 1\nlr_schedule: linear\n")
+    cfg = parse_config(SFTConfig, ["--config", str(file)], prog="rlhflab sft")
+    assert cfg.learning_rate == 1.0 and isinstance(cfg.learning_rate, float)
+    file.write_text("lr_schedule: exponential\n")
+    with pytest.raises(UserInputError):
+        parse_config(SFTConfig, ["--config", str(file)], prog="rlhflab sft")
+
+
+def test_missing_config_file_is_a_clear_error(tmp_path):
+    with pytest.raises(UserInputError) as err:
+        parse_config(SFTConfig, ["--config", str(tmp_path / "nope.yaml")], prog="rlhflab sft")
+    assert "nope.yaml" in str(err.value)
+
+
+def test_bool_flags_and_out_alias():
+    cfg = parse_config(EvalConfig, ["--do_sample", "--out", "x", "--progress", "false"], prog="rlhflab eval")
+    assert cfg.do_sample is True and cfg.output_dir == "x" and cfg.progress is False
+
+
+def test_configs_are_frozen():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        SFTConfig().max_steps = 3
+
+
+@pytest.mark.parametrize("stage", sorted(STAGES))
+def test_help_lists_every_field_with_its_help(stage):
+    text = build_parser(STAGES[stage], prog=f"rlhflab {stage}").format_help()
+    for field in dataclasses.fields(STAGES[stage]):
+        assert f"--{field.name}" in text
+        assert field.metadata.get("help"), f"{stage}.{field.name} has no help"
+    assert "(default:" in text

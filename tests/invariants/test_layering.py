@@ -1,0 +1,63 @@
+"""Imports flow down only (DESIGN.md): a module imports from lower layers or its own package."""
+
+import ast
+from pathlib import Path
+
+import rlhflab
+
+PACKAGE = Path(rlhflab.__file__).parent
+LAYERS = {
+    "errors": 0, "core": 0,
+    "config": 1, "tasks": 1, "data": 1, "models": 1, "tracking": 1,
+    "rollout": 2, "rewards": 2,
+    "trainers": 3, "checkpoint": 3,
+    "eval": 4,
+    "report": 5, "demo": 5,
+    "cli": 6,
+}
+
+
+def top_level(module_path: Path) -> str:
+    rel = module_path.relative_to(PACKAGE)
+    return rel.parts[0].removesuffix(".py")
+
+
+def rlhflab_imports(path: Path) -> list[str]:
+    names = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("rlhflab"):
+            parts = node.module.split(".")
+            if len(parts) > 1:
+                names.append(parts[1])
+            else:  # from rlhflab import tasks, models
+                names.extend(alias.name for alias in node.names)
+        elif isinstance(node, ast.Import):
+            names.extend(a.name.split(".")[1] for a in node.names if a.name.startswith("rlhflab."))
+    return names
+
+
+def modules():
+    return [p for p in PACKAGE.rglob("*.py") if p.parent != PACKAGE or p.name != "__init__.py"]
+
+
+def test_every_package_module_has_a_layer():
+    unknown = {top_level(p) for p in modules()} - set(LAYERS)
+    assert not unknown, f"add these to LAYERS (and DESIGN.md): {unknown}"
+
+
+def test_imports_flow_down_only():
+    bad = []
+    for path in modules():
+        own = top_level(path)
+        for name in rlhflab_imports(path):
+            if name == own or name == "__version__":
+                continue
+            if LAYERS[name] >= LAYERS[own] or (own == "core" and name != "core"):
+                bad.append(f"{path.relative_to(PACKAGE)} imports rlhflab.{name}")
+    assert not bad, "\n".join(bad)
+
+
+def test_report_never_imports_torch():
+    for path in (PACKAGE / "report").rglob("*.py"):
+        text = path.read_text()
+        assert "import torch" not in text and "from torch" not in text, path
