@@ -1,4 +1,8 @@
-"""Tiny word-level tokenizers and a JSONL writer for the rlhflab.data tests."""
+"""Fixtures for the rlhflab.data tests: tiny word-level tokenizers and a JSONL writer.
+
+(Kept in conftest because pytest runs with --import-mode=importlib: test files here
+cannot import a sibling helper module.)
+"""
 
 from __future__ import annotations
 
@@ -27,6 +31,12 @@ def make_tokenizer(pad: str = "<pad>", chat_template: str | None = None,
                                   unk_token="<unk>", bos_token="<s>", add_bos_token=add_bos)
     tok.chat_template = chat_template
     return tok
+
+
+@pytest.fixture
+def make_tok():
+    """The tokenizer factory: make_tok(pad="<pad>", chat_template=None, add_bos=False)."""
+    return make_tokenizer
 
 
 @pytest.fixture

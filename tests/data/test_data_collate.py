@@ -6,19 +6,24 @@ import logging
 
 import pytest
 import torch
-from conftest import VOCAB, make_tokenizer
 
 from rlhflab.data import (SFTExample, TokenizedSFT, collate_sft, encode_prompts, left_pad,
                           position_ids_from_mask, tokenize_sft)
 from rlhflab.data.tokenize import truncate_sft
 from rlhflab.errors import UserInputError
 
-EOS = VOCAB["</s>"]  # 1; also the pad id of the pad == eos tokenizer
-SAY, HI, HELLO, WORLD, BYE = VOCAB["say"], VOCAB["hi"], VOCAB["hello"], VOCAB["world"], VOCAB["bye"]
-GOOD, BAD, ANSWER, BOS = VOCAB["good"], VOCAB["bad"], VOCAB["answer"], VOCAB["<s>"]
+# ids in the conftest vocabulary (checked in test_ids_match_the_test_vocabulary)
+EOS, BOS = 1, 2  # EOS is also the pad id of the pad == eos tokenizer
+HELLO, WORLD, SAY, HI, BYE, GOOD, BAD, ANSWER = 8, 9, 10, 11, 12, 13, 14, 15
 
 EXAMPLES = [SFTExample("say hi", "hi"), SFTExample("say hello world", "bye"),
             SFTExample("hi", "good bad answer")]
+
+
+def test_ids_match_the_test_vocabulary(tok):
+    words = ["</s>", "<s>", "hello", "world", "say", "hi", "bye", "good", "bad", "answer"]
+    assert tok.convert_tokens_to_ids(words) == [EOS, BOS, HELLO, WORLD, SAY, HI, BYE, GOOD, BAD,
+                                                ANSWER]
 
 
 def test_tokenize_sft_appends_eos_even_when_pad_is_eos(tok_pad_eos):
@@ -47,15 +52,15 @@ def test_collate_masks_prompt_and_padding_and_keeps_eos_when_pad_is_eos(tok_pad_
     assert batch.num_label_tokens == 8 == int((batch.labels != -100).sum())
 
 
-def test_bos_only_when_the_tokenizer_always_adds_it():
-    assert encode_prompts(make_tokenizer(), ["say hi"]) == [[SAY, HI]]
-    bos_tok = make_tokenizer(add_bos=True)
+def test_bos_only_when_the_tokenizer_always_adds_it(make_tok):
+    assert encode_prompts(make_tok(), ["say hi"]) == [[SAY, HI]]
+    bos_tok = make_tok(add_bos=True)
     # a rendering that already starts with the BOS text does not get a second one
     assert encode_prompts(bos_tok, ["say hi", "<s> say hi"]) == [[BOS, SAY, HI], [BOS, SAY, HI]]
     assert tokenize_sft([EXAMPLES[0]], bos_tok, 16) == [TokenizedSFT([BOS, SAY, HI], [HI, EOS])]
 
 
-def test_truncation_prompt_left_first_then_completion_right(tok, caplog):
+def test_truncation_prompt_left_first_then_completion_right(tok, make_tok, caplog):
     with caplog.at_level(logging.WARNING, logger="rlhflab.data"):
         items = tokenize_sft(EXAMPLES, tok, max_length=4)
     assert items == [
@@ -67,7 +72,7 @@ def test_truncation_prompt_left_first_then_completion_right(tok, caplog):
            "0 completions truncated from the right" in caplog.text
     assert tokenize_sft(EXAMPLES[2:], tok, max_length=3) == [TokenizedSFT([], [GOOD, BAD, ANSWER])]
     # the BOS survives left truncation
-    bos_tok = make_tokenizer(add_bos=True)
+    bos_tok = make_tok(add_bos=True)
     assert tokenize_sft(EXAMPLES[1:2], bos_tok, max_length=4) == [
         TokenizedSFT([BOS, WORLD], [BYE, EOS])]
     assert truncate_sft([7, 8, 9], [5, 1], 3, keep_first=True) == ([7], [5, 1])
@@ -76,8 +81,8 @@ def test_truncation_prompt_left_first_then_completion_right(tok, caplog):
         tokenize_sft(EXAMPLES, tok, max_length=0)
 
 
-def test_tokenizer_without_eos_is_a_user_error():
-    no_eos = make_tokenizer()
+def test_tokenizer_without_eos_is_a_user_error(make_tok):
+    no_eos = make_tok()
     no_eos.eos_token = None
     with pytest.raises(UserInputError, match="the tokenizer has no eos_token"):
         tokenize_sft(EXAMPLES, no_eos, max_length=8)

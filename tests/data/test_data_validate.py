@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 
 import pytest
-from conftest import make_tokenizer
 
 from rlhflab.data import (PairExample, PromptExample, Record, RowProblem, SFTExample,
                           load_examples, read_records, validate)
@@ -140,14 +139,14 @@ def test_conversational_rows_use_the_chat_template(tok_chat):
     assert examples == [PairExample("<user> say hi <end> <assistant> ", "good <end> ", "bad <end> ")]
 
 
-def test_conversational_fallbacks(tok):
+def test_conversational_fallbacks(tok, make_tok):
     row = {"prompt": USER_HI, "completion": ASSISTANT_HI}
     # no chat template: "role: content" lines ending with "assistant: "
     assert validate([Record("x", None, 0, row)], "sft", tokenizer=tok)[0] == [
         SFTExample("user: say hi\nassistant: ", "hi")]
     # a template whose full rendering does not start with the prompt rendering:
     # the completion is the assistant content
-    odd = make_tokenizer(chat_template="{{ messages|length }} {% for m in messages %}"
+    odd = make_tok(chat_template="{{ messages|length }} {% for m in messages %}"
                                        "{{ m['content'] }} {% endfor %}")
     assert validate([Record("x", None, 0, row)], "sft", tokenizer=odd)[0] == [
         SFTExample("1 say hi ", "hi")]
@@ -175,11 +174,11 @@ def test_messages_column_problems_and_prompts_kind():
                         PromptExample("user: say hi\nassistant: ", None, None)]
 
 
-def test_prompt_too_long_is_reported(write_jsonl):
+def test_prompt_too_long_is_reported(write_jsonl, make_tok):
     path = write_jsonl([{"prompt": "say hi", "completion": "hi"},
                         {"prompt": "say hello world", "completion": "hi"},
                         {"prompt": "", "completion": "hi"}])
-    examples, problems = validate(read_records(path), "sft", tokenizer=make_tokenizer(),
+    examples, problems = validate(read_records(path), "sft", tokenizer=make_tok(),
                                   max_prompt_tokens=2)
     assert examples == [SFTExample("say hi", "hi")]
     assert problems == [
@@ -188,7 +187,7 @@ def test_prompt_too_long_is_reported(write_jsonl):
         RowProblem(str(path), 3, 2, "empty field 'prompt'", "empty field"),
     ]
     # the BOS a tokenizer always adds counts towards the budget
-    _, problems = validate(read_records(path), "sft", tokenizer=make_tokenizer(add_bos=True),
+    _, problems = validate(read_records(path), "sft", tokenizer=make_tok(add_bos=True),
                            max_prompt_tokens=2)
     assert [(p.line, p.reason) for p in problems] == [
         (1, "prompt has 3 tokens, more than max_prompt_tokens=2"),

@@ -43,27 +43,30 @@ def _looks_like_path(path_or_id: str) -> bool:
 
 def _check_exists(path_or_id: str | Path, what: str) -> str:
     """Return the string form; raise for a local path that does not exist (before touching the hub)."""
-    s = str(Path(path_or_id).expanduser()) if isinstance(path_or_id, Path) else str(path_or_id)
-    if Path(s).expanduser().exists():
-        return str(Path(s).expanduser())
-    if isinstance(path_or_id, Path) or _looks_like_path(s):
+    path = Path(path_or_id).expanduser()
+    if path.exists():
+        return str(path)
+    if isinstance(path_or_id, Path) or _looks_like_path(str(path_or_id)):
         raise UserInputError(
             f"no {what} folder at this path",
-            where=s,
+            where=str(path),
             fix="check the path (a hub id such as 'org/name' needs network access or a warm HF cache)",
         )
-    return s
+    return str(path_or_id)
 
 
 def _not_found(s: str, what: str, err: Exception) -> UserInputError:
     return UserInputError(
         f"could not load the {what} ({type(err).__name__}: {err})",
         where=s,
-        fix="give an existing local folder, or a hub id with network access (or set HF_HUB_OFFLINE=1 with a warm cache)",
+        fix="give an existing local folder, or a hub id with network access "
+        "(or HF_HUB_OFFLINE=1 with a warm cache)",
     )
 
 
-def _honour_declared_tokenizer_class(path: str, tokenizer: PreTrainedTokenizerBase, **kwargs) -> PreTrainedTokenizerBase:
+def _honour_declared_tokenizer_class(
+    path: str, tokenizer: PreTrainedTokenizerBase, **kwargs
+) -> PreTrainedTokenizerBase:
     """Reload with the generic class when the folder asks for it but AutoTokenizer chose another.
 
     transformers 5 forces the registered class for some model types (qwen2:

@@ -1,6 +1,7 @@
 """Generation: batched, KV-cached, left-padded, stopping at EOS."""
 
 from rlhflab.rollout.answers import Answer, decode_responses, generate_answers
+from rlhflab.rollout.scoring import response_logits, response_logprobs
 from rlhflab.rollout.generate import Generated, GenerationSettings, generate, response_mask_after_eos
 
 __all__ = [
@@ -10,5 +11,7 @@ __all__ = [
     "decode_responses",
     "generate",
     "generate_answers",
+    "response_logits",
+    "response_logprobs",
     "response_mask_after_eos",
 ]

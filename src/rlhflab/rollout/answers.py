@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from rlhflab.data import encode_prompt
+from rlhflab.data import encode_prompts
 from rlhflab.rollout.generate import GenerationSettings, generate
 
 
@@ -43,7 +43,7 @@ def generate_answers(
     answers: list[Answer] = []
     starts = range(0, len(prompts), batch_size)
     for start in tqdm(starts, desc="generating", unit="batch", disable=not progress):
-        chunk = [encode_prompt(tokenizer, p) for p in prompts[start : start + batch_size]]
+        chunk = encode_prompts(tokenizer, prompts[start : start + batch_size])
         out = generate(
             model, chunk, pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id,
             settings=settings, generator=generator,

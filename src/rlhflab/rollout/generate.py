@@ -8,6 +8,7 @@ produced EOS instead of always running to the length cap (TRL issue #2387).
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -58,6 +59,16 @@ def next_tokens(logits: Tensor, settings: GenerationSettings, generator: torch.G
     return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
 
 
+def cache_argument(model: torch.nn.Module) -> str:
+    """The forward() keyword for the KV cache: `cache` (transformers >= 5.2x) or `past_key_values`."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def returned_cache(out):
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else out.past_key_values
+
+
 @torch.no_grad()
 def generate(
     model: torch.nn.Module,
@@ -75,7 +86,8 @@ def generate(
     attention = query_mask.long()
     positions = position_ids_from_mask(attention)
     out = model(input_ids=query_ids, attention_mask=attention, position_ids=positions, use_cache=True, logits_to_keep=1)
-    cache = out.past_key_values
+    cache_kw = cache_argument(model)
+    cache = returned_cache(out)
     last_position = positions[:, -1:]
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
     tokens: list[Tensor] = []
@@ -92,10 +104,10 @@ def generate(
             input_ids=token.unsqueeze(1),
             attention_mask=attention,
             position_ids=last_position,
-            past_key_values=cache,
             use_cache=True,
+            **{cache_kw: cache},
         )
-        cache = out.past_key_values
+        cache = returned_cache(out)
     response_ids = torch.stack(tokens, dim=1)  # (B, T)
     response_mask = response_mask_after_eos(response_ids, eos_id)
     response_ids = response_ids.masked_fill(~response_mask, pad_id)

@@ -1,0 +1,93 @@
+"""Splits never share content, are balanced over families, and are reproducible."""
+
+from __future__ import annotations
+
+import random
+import re
+from collections import Counter
+
+import pytest
+
+from rlhflab.errors import UserInputError
+from rlhflab.tasks import FAMILIES, build_splits, partition_pools, sample_items, template_corpus, violations
+from rlhflab.tasks.pools import NUMBERS, WORDS
+
+
+def _content(items) -> set[str]:
+    return {c for item in items for c in item.content}
+
+
+def test_word_pool():
+    assert len(WORDS) == len(set(WORDS)) >= 150
+    assert all(w.isalpha() and w.islower() and 3 <= len(w) <= 6 for w in WORDS)
+    assert NUMBERS == tuple(range(1, 99))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 17, 12345])
+def test_pools_are_disjoint_and_cover_everything(seed):
+    pools = partition_pools(seed)
+    words = [set(p.words) for p in pools.values()]
+    numbers = [set(p.numbers) for p in pools.values()]
+    assert [len(w) for w in words] == [101, 34, 34]
+    assert [len(n) for n in numbers] == [58, 20, 20]  # strata 24 (digits <= 4) + 74, each cut 60/20/20
+    assert set.union(*words) == set(WORDS) and set.union(*numbers) == set(NUMBERS)
+    for i in range(3):
+        for j in range(i + 1, 3):
+            assert not words[i] & words[j] and not numbers[i] & numbers[j]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 17])
+def test_test_content_never_seen_in_train_or_validation(seed):
+    splits = build_splits(seed)
+    assert {k: len(v) for k, v in splits.items()} == {"train": 400, "validation": 100, "test": 100}
+    test = _content(splits["test"])
+    assert test and not test & _content(splits["train"])
+    assert not test & _content(splits["validation"])
+    assert not _content(splits["validation"]) & _content(splits["train"])
+    # SFT demonstrations come from the train pool, so they never show test content either
+    assert not test & _content(sample_items("train", 1000, seed=3, split_seed=seed))
+
+
+def test_content_is_what_the_prompt_shows():
+    for item in build_splits(0)["validation"]:
+        for c in item.content:
+            assert re.search(rf"(?<![A-Za-z0-9]){c}(?![A-Za-z0-9])", item.prompt, re.IGNORECASE), item
+
+
+def test_families_spread_evenly_and_prompts_distinct():
+    splits = build_splits(3, train=400, validation=100, test=100)
+    for name, items in splits.items():
+        counts = Counter(item.family for item in items)
+        assert set(counts) == set(FAMILIES)
+        assert max(counts.values()) - min(counts.values()) <= 1, (name, counts)
+        assert len({item.prompt for item in items}) == len(items)
+
+
+def test_deterministic_per_seed():
+    assert build_splits(5) == build_splits(5)
+    assert build_splits(5)["test"] != build_splits(6)["test"]
+    assert sample_items("train", 50, seed=1) == sample_items("train", 50, seed=1)
+    assert sample_items("train", 50, seed=1) != sample_items("train", 50, seed=2)
+    assert build_splits(0, train=11, validation=0, test=22)["validation"] == []
+
+
+def test_sample_items_rejects_unknown_split():
+    with pytest.raises(UserInputError, match="unknown split 'dev'"):
+        sample_items("dev", 3, seed=0)
+
+
+def test_template_corpus_has_frames_but_no_content():
+    corpus = template_corpus()
+    *frames, charset = corpus
+    assert "Add  and . Answer as RESULT: <sum>\n" in frames
+    assert "RESULT: " in frames
+    assert "\n" in charset and " " in charset and "`" in charset
+    text = "\n".join(frames)
+    assert [w for w in WORDS if re.search(rf"\b{w}\b", text)] == []
+    assert not re.search(r"\d", text)
+    used = set()
+    for item in sample_items("test", 300, seed=0):
+        used |= set(item.prompt + item.reference)
+        for answer in violations(item, random.Random(0)).values():
+            used |= set(answer)
+    assert used <= set(charset)

@@ -1,0 +1,25 @@
+"""Tiny Hugging Face models built in-process for tests (no downloads)."""
+
+import torch
+from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, Qwen2Config
+
+VOCAB = 40
+PAD, EOS = 0, 1
+
+CONFIGS = {
+    "llama": lambda: LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                 pad_token_id=PAD, eos_token_id=EOS),
+    "gpt2": lambda: GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64,
+                               resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, pad_token_id=PAD, eos_token_id=EOS),
+    "qwen2": lambda: Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                 pad_token_id=PAD, eos_token_id=EOS),
+}
+
+
+def build(arch: str, seed: int = 0):
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(CONFIGS[arch]())
+    return model.eval()
+
