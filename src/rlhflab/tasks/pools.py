@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 # Simple lowercase 3-6 letter words: no plurals, no words the templates use
 # ("word", "item", "key", "name", "yes", "no"), so content never collides with a frame.
-WORDS: tuple[str, ...] = (
+REAL_WORDS: tuple[str, ...] = (
     # animals
     "cat", "dog", "fox", "owl", "bee", "ant", "cow", "pig", "hen", "elk", "yak", "bat",
     "eel", "ram", "tiger", "lion", "bear", "wolf", "deer", "frog", "duck", "goat", "crab",
@@ -40,6 +40,21 @@ WORDS: tuple[str, ...] = (
     "rain", "snow", "star", "moon", "wind", "tree", "cloud", "river", "stone", "grass",
     "beach", "storm", "field", "flower", "forest", "island", "garden",
 )  # fmt: skip
+
+# Pronounceable made-up words (consonant-vowel syllables). A few hundred real words
+# are few enough for a tiny model to memorise whole; thousands of made-up ones make
+# it learn to copy and transform letters, which is what transfers to unseen test
+# words (FACTS.md: the tokenizer and the data must not invite memorisation).
+_FRAME_WORDS = frozenset({"bare", "line", "per", "set", "sum"})  # template words (a test checks)
+_CONSONANTS = "bdfgklmnprstvz"
+_VOWELS = "aeiou"
+_SYLLABLES = tuple(c + v for c in _CONSONANTS for v in _VOWELS)
+PSEUDO_WORDS: tuple[str, ...] = tuple(
+    word
+    for word in sorted({a + b for a in _SYLLABLES for b in _SYLLABLES} | {a + c for a in _SYLLABLES for c in "klmnrst"})
+    if word not in REAL_WORDS and word not in _FRAME_WORDS
+)
+WORDS: tuple[str, ...] = REAL_WORDS + PSEUDO_WORDS
 
 NUMBERS: tuple[int, ...] = tuple(range(1, 99))
 

@@ -183,7 +183,7 @@ def train(cfg: SFTConfig, run: RunDir | None = None) -> RunResult:
         # 5. periodic validation: loss on reference answers and checked pass rate
         if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.max_steps:
             metrics = evaluate_now(model, tokenizer, sft_data, cfg, step, run)
-            bar.set_postfix(loss=f"{stats['loss/sft']:.3f}", **{k.split("/")[1]: f"{v:.3f}" for k, v in metrics.items()})
+            bar.set_postfix(loss=f"{stats['loss/sft']:.3f}", **{k.replace("/", "_"): f"{v:.3f}" for k, v in metrics.items()})
 
     # 6. the model, as an ordinary HF folder
     model_dir = run.path / "model"
