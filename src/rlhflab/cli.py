@@ -96,12 +96,20 @@ def split_stage(argv: list[str]) -> tuple[str, list[str]]:
     raise UserInputError(f"unknown stage '{' '.join(argv[:2])}'", "rlhflab", hint)
 
 
+def quiet_library_progress_bars() -> None:
+    """transformers' per-file load/save bars are noise next to our own progress bars."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0
     logging.basicConfig(level=logging.INFO, format="rlhflab: %(message)s")
+    quiet_library_progress_bars()
     try:
         stage, rest = split_stage(argv)
         cfg = parse_config(STAGES[stage], rest, prog=f"rlhflab {stage}")

@@ -1,1 +1,28 @@
-"""core"""
+"""core: pure tensor math (torch only). Shapes: B batch, T response tokens, G group size."""
+
+from rlhflab.core.advantages import (
+    ADVANTAGES,
+    MovingAverageBaseline,
+    batch_mean_baseline,
+    discounted_returns,
+    gae,
+    grpo_advantages,
+    rloo_advantages,
+)
+from rlhflab.core.kl import KL_ESTIMATORS, AdaptiveKLController, FixedKLController, kl_k1, kl_k2, kl_k3
+from rlhflab.core.losses import (
+    PREFERENCE_LOSSES,
+    REFERENCE_FREE,
+    bradley_terry_loss,
+    clipped_surrogate,
+    clipped_value_loss,
+    dpo_loss,
+    explained_variance,
+    ipo_loss,
+    ppo_policy_loss,
+    reward_centering_penalty,
+    simpo_loss,
+)
+from rlhflab.core.masked import mask_from_lengths, masked_mean, masked_sum, masked_var, whiten
+
+__all__ = [name for name in dir() if not name.startswith("_") and name not in {"advantages", "kl", "losses", "masked"}]

@@ -149,16 +149,15 @@ def train(cfg: SFTConfig, run: RunDir | None = None) -> RunResult:
     started = time.time()
     configure_threads(cfg.threads)
     seed_everything(cfg.seed)
-    run = run or RunDir(cfg.output_dir or default_run_path("sft"), overwrite=cfg.overwrite, report_to=cfg.report_to)
-    write_config(cfg, run.path / "config.yaml")
-    run.write_versions()
-
     # 1. model and tokenizer (the tiny default is built from the suite's templates)
     model, tokenizer = load_or_build_policy(cfg)
     models.disable_dropout(model)
     model.train()
-    # 2. data, validated and tokenised up front
+    # 2. data, validated and tokenised before the run folder is created
     sft_data = load_sft_data(cfg, tokenizer)
+    run = run or RunDir(cfg.output_dir or default_run_path("sft"), overwrite=cfg.overwrite, report_to=cfg.report_to)
+    write_config(cfg, run.path / "config.yaml")
+    run.write_versions()
     order_rng = random.Random(cfg.seed)
     optimizer = make_optimizer(model.parameters(), cfg)
     scheduler = make_scheduler(optimizer, cfg, cfg.max_steps)

@@ -1,0 +1,138 @@
+"""The CLI end to end on a tiny budget, as a user runs it."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from rlhflab.cli import main
+
+TINY_DEMO = [
+    "--max_steps", "4", "--batch_size", "8", "--eval_every", "0", "--sft_examples", "64",
+    "--num_train_prompts", "22", "--num_validation_prompts", "11", "--num_test_prompts", "11",
+    "--hidden_size", "32", "--num_layers", "1", "--intermediate_size", "64", "--max_new_tokens", "8",
+    "--progress", "false", "--threads", "1",
+]
+
+
+def rlhflab(*args, cwd=None):
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
+    return subprocess.run([sys.executable, "-m", "rlhflab.cli", *args], capture_output=True, text=True, env=env, cwd=cwd)
+
+
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("demo") / "run"
+    proc = rlhflab("demo", "--out", str(out), *TINY_DEMO)
+    assert proc.returncode == 0, proc.stderr
+    return out, proc
+
+
+def test_demo_prints_the_pass_rate_table_and_writes_a_full_run_folder(demo_run):
+    out, proc = demo_run
+    assert "test pass rate (greedy)" in proc.stdout and "overall" in proc.stdout
+    for name in ("config.yaml", "metrics.jsonl", "samples.jsonl", "versions.json", "summary.json"):
+        assert (out / name).is_file(), name
+    summary = json.loads((out / "summary.json").read_text())
+    assert 0.0 <= summary["test_pass_rate"]["sft"] <= 1.0
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 11 and {"prompt", "answer", "passed", "reason"} <= set(samples[0])
+    assert sum(s["passed"] for s in samples) / 11 == pytest.approx(summary["test_pass_rate"]["sft"])
+    for line in (out / "sft" / "metrics.jsonl").read_text().splitlines():
+        assert "step" in json.loads(line)
+    versions = json.loads((out / "versions.json").read_text())
+    assert {"python", "torch", "transformers", "peft", "rlhflab", "platform", "cpu"} <= set(versions)
+
+
+def test_demo_model_folder_loads_with_plain_transformers(demo_run):
+    out, _ = demo_run
+    model_dir = out / "sft" / "model"
+    assert (model_dir / "model.safetensors").is_file()
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    assert model.config.hidden_size == 32 and tokenizer.eos_token_id is not None
+
+
+def test_effective_config_round_trips_through_config_flag(demo_run, tmp_path):
+    out, _ = demo_run
+    config = yaml.safe_load((out / "config.yaml").read_text())
+    assert config["max_steps"] == 4 and config["hidden_size"] == 32
+    from rlhflab.config import DemoConfig, parse_config
+
+    again = parse_config(DemoConfig, ["--config", str(out / "config.yaml")], prog="rlhflab demo")
+    assert again.max_steps == 4 and again.output_dir == str(out)
+
+
+def test_eval_command_on_the_demo_model(demo_run, tmp_path, capsys):
+    out, _ = demo_run
+    code = main(["eval", "--model", str(out / "sft" / "model"), "--split", "validation",
+                 "--num_train_prompts", "22", "--num_validation_prompts", "11", "--num_test_prompts", "11",
+                 "--max_new_tokens", "8", "--out", str(tmp_path / "ev"), "--progress", "false"])
+    assert code == 0
+    assert "validation pass rate" in capsys.readouterr().out
+    summary = json.loads((tmp_path / "ev" / "summary.json").read_text())
+    assert summary["split"] == "validation" and sum(summary["pass_rate"]["counts"].values()) == 11
+
+
+def test_refuses_to_overwrite_a_run_folder(demo_run, capsys):
+    out, _ = demo_run
+    assert main(["demo", "--out", str(out), *TINY_DEMO]) == 2
+    err = capsys.readouterr().err
+    assert "already holds a run" in err and "--overwrite" in err
+
+
+def test_unknown_key_is_an_error_with_a_suggestion(tmp_path, capsys):
+    assert main(["sft", "--max_step", "3"]) == 2
+    assert "did you mean 'max_steps'" in capsys.readouterr().err
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("learning_rat: 0.1\n")
+    assert main(["sft", "--config", str(bad)]) == 2
+    assert "did you mean 'learning_rate'" in capsys.readouterr().err
+
+
+def test_unknown_stage_suggests_the_closest(capsys):
+    assert main(["demoo"]) == 2
+    assert "did you mean 'demo'" in capsys.readouterr().err
+
+
+def test_stage_help_lists_fields_with_defaults():
+    proc = rlhflab("sft", "--help")
+    assert proc.returncode == 0
+    assert "--learning_rate" in proc.stdout and "(default: 0.002)" in proc.stdout
+
+
+def test_tasks_export_writes_trl_columns(tmp_path, capsys):
+    assert main(["tasks", "export", "--out", str(tmp_path / "suite"), "--sft_examples", "50",
+                 "--pair_kinds", "wrong_case,fenced_json"]) == 0
+    pairs = [json.loads(l) for l in (tmp_path / "suite" / "train" / "pairs.jsonl").read_text().splitlines()]
+    assert pairs and {p["violation"] for p in pairs} <= {"wrong_case", "fenced_json"}
+    assert {"prompt", "chosen", "rejected", "family", "violation"} <= set(pairs[0])
+    sft = (tmp_path / "suite" / "train" / "sft.jsonl").read_text().splitlines()
+    assert len(sft) == 50 and {"prompt", "completion"} <= set(json.loads(sft[0]))
+    prompts = json.loads((tmp_path / "suite" / "test" / "prompts.jsonl").read_text().splitlines()[0])
+    assert {"prompt", "family"} <= set(prompts)
+
+
+def test_tasks_export_rejects_unknown_violation_kind(tmp_path, capsys):
+    assert main(["tasks", "export", "--out", str(tmp_path / "s"), "--pair_kinds", "wrong_cse"]) == 2
+    assert "did you mean 'wrong_case'" in capsys.readouterr().err
+
+
+def test_sft_reports_bad_rows_with_line_numbers_in_strict_mode(tmp_path, capsys):
+    bad = tmp_path / "train.jsonl"
+    bad.write_text('{"prompt": "a\\n", "completion": "b"}\n{"prompt": "x"\n{"prompt": "", "completion": "c"}\n')
+    code = main(["sft", "--train_file", str(bad), "--strict", "--out", str(tmp_path / "r"), *TINY_DEMO[:4]])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "train.jsonl:2" in err and "train.jsonl:3" in err
+
+
+def test_bad_data_leaves_no_run_folder_behind(tmp_path):
+    bad = tmp_path / "train.jsonl"
+    bad.write_text('{"prompt": "", "completion": "c"}\n')
+    assert main(["sft", "--train_file", str(bad), "--out", str(tmp_path / "r"), *TINY_DEMO[:4]]) == 2
+    assert not (tmp_path / "r").exists()
