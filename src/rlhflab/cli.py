@@ -26,6 +26,7 @@ stages:
   demo           tiny model -> SFT -> held-out pass rate, in minutes on a CPU
   sft            supervised fine-tuning (completion-only loss)
   eval           generate answers to a split's prompts and check them
+  ppo            PPO-RLHF: policy, reference, reward (checker or model) and value
   tasks export   write the built-in suite as JSONL (sft / pairs / prompts per split)
 
 `rlhflab <stage> --help` lists every field with its default and help.
@@ -82,7 +83,19 @@ def run_tasks_export(cfg) -> int:
     return 0
 
 
-COMMANDS = {"demo": run_demo, "sft": run_sft, "eval": run_eval, "tasks export": run_tasks_export}
+def run_ppo(cfg) -> int:
+    from rlhflab.trainers import ppo
+
+    result = ppo.train(cfg)
+    summary = result.summary
+    rate = summary["validation_pass_rate"]
+    print(f"validation pass rate {rate['start']:.1%} -> {rate['end']:.1%}; final KL {summary['final']['objective/kl']:.2f}"
+          f" nats; {summary['final']['eps']:.0f} episodes/s")
+    print(f"model: {result.model_dir}")
+    return 0
+
+
+COMMANDS = {"demo": run_demo, "sft": run_sft, "eval": run_eval, "ppo": run_ppo, "tasks export": run_tasks_export}
 
 
 def split_stage(argv: list[str]) -> tuple[str, list[str]]:

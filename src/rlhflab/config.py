@@ -136,11 +136,68 @@ class DemoConfig(SFTConfig):
     """`rlhflab demo`: tiny model -> SFT -> held-out evaluation, in minutes on a CPU."""
 
 
+@dataclass(frozen=True)
+class LoraFields:
+    lora_r: int = arg(0, "LoRA rank of the policy; 0 = full fine-tuning")
+    lora_alpha: int = arg(16, "LoRA alpha (scale = alpha / r)")
+    lora_dropout: float = arg(0.0, "LoRA dropout (kept 0 in RL: dropout makes ratio != 1 at the first step)")
+    lora_target_modules: str = arg("all-linear", "modules LoRA adapts: all-linear or comma-separated names")
+
+
+@dataclass(frozen=True)
+class PPOConfig(RunFields, ModelFields, SuiteFields, LoraFields, OptimFields, GenerationFields):
+    """`rlhflab ppo`: PPO-RLHF with policy, reference, reward and value roles."""
+
+    # the roles
+    reference: str = arg("", "reference model folder; empty = the policy's starting weights")
+    reward: Literal["checker", "model", "combined", "random"] = arg("checker", "reward source")
+    reward_model: str = arg("", "reward model folder (sequence classifier with one output)")
+    checker_weight: float = arg(1.0, "weight of the checker reward in reward=combined")
+    reward_model_weight: float = arg(1.0, "weight of the reward model in reward=combined")
+    reward_shift: float = arg(0.0, "reward-model scores are (score - shift) / scale")
+    reward_scale: float = arg(1.0, "reward-model scores are (score - shift) / scale")
+    value_mode: Literal["shared", "separate", "lora_adapter"] = arg(
+        "shared", "value head on the policy trunk, a separate value model, or a 2nd LoRA adapter on the shared base")
+    value_model: str = arg("", "value model init for value_mode=separate; empty = the policy (a reward model also works)")
+    reference_mode: Literal["resident", "reload"] = arg(
+        "resident", "keep a reference copy in memory, or reload it for each rollout's log-probs and free it")
+    # the cycle
+    total_episodes: int = arg(3840, "responses generated over the run")
+    batch_size: int = arg(64, "prompts per rollout (one PPO update)")
+    num_mini_batches: int = arg(2, "minibatches each rollout is split into per PPO epoch")
+    num_ppo_epochs: int = arg(2, "passes over each rollout")
+    response_length: int = arg(26, "response-length cap in tokens during rollouts")
+    cliprange: float = arg(0.2, "policy ratio clip epsilon")
+    cliprange_value: float = arg(0.2, "value clip epsilon around the rollout's values")
+    vf_coef: float = arg(0.1, "weight of the value loss")
+    kl_coef: float = arg(0.05, "beta: per-token KL penalty in the reward (initial value if adaptive)")
+    kl_estimator: Literal["k1", "k2", "k3"] = arg("k1", "per-token KL estimator in the reward")
+    adaptive_kl: bool = arg(False, "adapt kl_coef towards kl_target (Ziegler et al. 2019)")
+    kl_target: float = arg(6.0, "adaptive KL: target KL per sequence (nats)")
+    kl_horizon: int = arg(10000, "adaptive KL: horizon in episodes")
+    gamma: float = arg(1.0, "discount")
+    lam: float = arg(0.95, "GAE lambda")
+    whiten_rewards: bool = arg(False, "whiten per-token rewards before GAE")
+    whiten_advantages: bool = arg(True, "whiten advantages over the rollout")
+    missing_eos_penalty: float = arg(1.0, "subtracted from the score of a response that hit the length cap")
+    temperature: float = arg(1.0, "sampling temperature of rollouts; log-probs use the same one")
+    # evaluation during the run
+    eval_every: int = arg(10, "validation pass rate every N updates; 0 = start and end only")
+    eval_prompts: int = arg(100, "validation prompts used for the pass rate")
+    sample_prompts: int = arg(8, "fixed validation prompts whose answers go to samples.jsonl at each evaluation")
+    # PPO-specific optimiser defaults (FACTS.md: lr 3e-4 or 4 epochs blew KL up)
+    learning_rate: float = arg(1e-4, "peak AdamW learning rate")
+    adam_eps: float = arg(1e-5, "AdamW epsilon")
+    warmup_steps: int = arg(0, "linear warmup in optimiser steps")
+    lr_schedule: Literal["cosine", "linear", "constant"] = arg("linear", "decay after warmup")
+
+
 STAGES: dict[str, type] = {
     "sft": SFTConfig,
     "eval": EvalConfig,
     "tasks export": TasksExportConfig,
     "demo": DemoConfig,
+    "ppo": PPOConfig,
 }
 
 

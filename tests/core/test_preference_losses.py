@@ -79,7 +79,8 @@ def test_ipo_hand_worked_and_minimum_at_half_inverse_beta():
     loss, _ = ipo_loss(z, z, z, z, beta=0.1)
     assert math.isclose(loss.item(), (1 / (2 * 0.1)) ** 2, rel_tol=1e-6)  # 25
     # h = (−1 − −2) − (−3 − −2) = 2 = 1/(2·0.25): the loss's minimum
-    at_min, stats = ipo_loss(torch.tensor([-1.0]), torch.tensor([-3.0]), torch.tensor([-2.0]), torch.tensor([-2.0]), 0.25)
+    pc, pr, rc, rr = (torch.tensor([v]) for v in (-1.0, -3.0, -2.0, -2.0))
+    at_min, stats = ipo_loss(pc, pr, rc, rr, beta=0.25)
     assert at_min.item() == 0.0
     assert math.isclose(stats["reward_margin"].item(), 0.25 * 2, rel_tol=1e-6)
 

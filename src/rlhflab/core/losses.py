@@ -53,7 +53,7 @@ def ppo_policy_loss(
     with torch.no_grad():
         big = torch.full_like(ratio, float("inf"))
         stats = {
-            "clipfrac": masked_mean((pg_losses2 >= pg_losses).to(ratio.dtype), response_mask),
+            "clipfrac": masked_mean((pg_losses2 > pg_losses).to(ratio.dtype), response_mask),
             "approxkl": 0.5 * masked_mean(log_ratio**2, response_mask),
             "ratio_mean": masked_mean(ratio, response_mask),
             "ratio_min": torch.where(response_mask, ratio, big).min(),

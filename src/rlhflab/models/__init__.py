@@ -1,23 +1,21 @@
-"""Models: load HF tokenizers / causal LMs, and build the tiny default model and tokenizer.
+"""Models: load HF tokenizers / causal LMs / reward models, value heads, LoRA, and the tiny default.
 
 Imports torch, transformers, peft, tokenizers, safetensors and `rlhflab.errors` only.
 """
 
 from rlhflab.models.load import count_parameters, disable_dropout, load_causal_lm, load_tokenizer
+from rlhflab.models.lora import add_value_adapter, adapter_values, apply_lora, trainable_parameters, use_adapter
+from rlhflab.models.reward import build_random_reward_model, build_reward_model_from_causal, load_reward_model
+from rlhflab.models.reward import last_real_index, sequence_scores
 from rlhflab.models.tiny_model import TINY_ARCHITECTURES, TinySizes, build_tiny_model, save_model_folder
 from rlhflab.models.tiny_tokenizer import EOS_TOKEN, PAD_TOKEN, build_tokenizer, template_words
+from rlhflab.models.value import ValueHead, ValueModel, last_hidden_state
 
 __all__ = [
-    "EOS_TOKEN",
-    "PAD_TOKEN",
-    "TINY_ARCHITECTURES",
-    "TinySizes",
-    "build_tiny_model",
-    "build_tokenizer",
-    "count_parameters",
-    "disable_dropout",
-    "load_causal_lm",
-    "load_tokenizer",
-    "save_model_folder",
-    "template_words",
+    "EOS_TOKEN", "PAD_TOKEN", "TINY_ARCHITECTURES", "TinySizes", "ValueHead", "ValueModel",
+    "adapter_values", "add_value_adapter", "apply_lora", "build_random_reward_model",
+    "build_reward_model_from_causal", "build_tiny_model", "build_tokenizer", "count_parameters",
+    "disable_dropout", "last_hidden_state", "last_real_index", "load_causal_lm", "load_reward_model",
+    "load_tokenizer", "save_model_folder", "sequence_scores", "template_words", "trainable_parameters",
+    "use_adapter",
 ]

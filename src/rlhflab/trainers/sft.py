@@ -24,8 +24,8 @@ from tqdm.auto import tqdm
 
 from rlhflab import data, models, tasks
 from rlhflab.config import SFTConfig, write_config
-from rlhflab.rollout import GenerationSettings, generate_answers
 from rlhflab.tracking import RunDir, RunResult, default_run_path
+from rlhflab.trainers.validation import validate_pass_rate
 from rlhflab.trainers.setup import (
     configure_threads,
     load_or_build_policy,
@@ -118,27 +118,10 @@ def validation_loss(model, examples: list[data.TokenizedSFT], pad_id: int, batch
     return loss_sum / max(tokens, 1)
 
 
-def pass_rate(model, tokenizer, items: list[tasks.TaskItem], cfg, step: int, run: RunDir | None) -> dict:
-    """Answer `items` with the configured decoding, check them, log the answers as samples."""
-    settings = GenerationSettings(cfg.max_new_tokens, cfg.do_sample, cfg.temperature, cfg.top_k, cfg.top_p)
-    generator = torch.Generator().manual_seed(cfg.seed)
-    answers = generate_answers(
-        model, tokenizer, [i.prompt for i in items], settings, batch_size=cfg.eval_batch_size, generator=generator
-    )
-    verdicts = [tasks.check(item, a.text, a.ended_with_eos) for item, a in zip(items, answers)]
-    if run is not None:
-        run.add_samples(
-            {"step": step, "family": i.family, "prompt": i.prompt, "answer": a.text, "reference": i.reference,
-             "passed": v.passed, "kind": v.kind, "reason": v.reason, "ended_with_eos": a.ended_with_eos}
-            for i, a, v in zip(items, answers, verdicts)
-        )
-    return tasks.pass_rate_table([(i.family, v) for i, v in zip(items, verdicts)])
-
-
 def evaluate_now(model, tokenizer, sft_data: SFTData, cfg, step: int, run: RunDir) -> dict:
     metrics = {"val/loss": validation_loss(model, sft_data.validation, tokenizer.pad_token_id)}
     if sft_data.validation_items:
-        table = pass_rate(model, tokenizer, sft_data.validation_items, cfg, step, run)
+        table = validate_pass_rate(model, tokenizer, sft_data.validation_items, cfg, step, run)
         metrics["val/pass_rate"] = table["overall"]
     run.log(metrics, step=step)
     return metrics

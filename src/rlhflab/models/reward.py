@@ -1,0 +1,175 @@
+"""Reward models: ordinary `*ForSequenceClassification` models with exactly one output.
+
+`sequence_scores` reads the score at the last REAL token (last position where the
+attention mask is 1), whatever the padding side. HF's own pooling looks for the
+last token that is not `pad_token_id`, which picks the wrong position when
+pad == eos (the real EOS looks like padding) and when the batch is left-padded
+with a pad id that also occurs in the text.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+from transformers import AutoConfig, AutoModelForSequenceClassification, PreTrainedModel, PreTrainedTokenizerBase
+
+from rlhflab.errors import UserInputError
+from rlhflab.models.load import DTYPES, _check_exists, _not_found, load_tokenizer
+from rlhflab.models.tiny_model import build_tiny_model
+from rlhflab.models.value import _is_reward_model, init_scalar_head
+
+logger = logging.getLogger(__name__)
+
+
+def _set_pad(model: PreTrainedModel, pad_token_id: int) -> None:
+    for cfg in {id(c): c for c in (model.config, model.config.get_text_config())}.values():
+        cfg.pad_token_id = pad_token_id
+
+
+def _pad_id_from(tokenizer: PreTrainedTokenizerBase | None) -> int | None:
+    if tokenizer is None:
+        return None
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
+def load_reward_model(
+    path: str | Path,
+    dtype: str = "float32",
+    trust_remote_code: bool = False,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+) -> PreTrainedModel:
+    """`AutoModelForSequenceClassification.from_pretrained` for a scalar reward model, with checks.
+
+    `config.pad_token_id` is filled in from `tokenizer` (or the folder's own tokenizer) when missing.
+    """
+    if dtype not in DTYPES:
+        raise UserInputError(f"unknown dtype {dtype!r}", where="dtype", fix=f"use one of {sorted(DTYPES)}")
+    s = _check_exists(path, "reward model")
+    try:
+        config = AutoConfig.from_pretrained(s, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as err:
+        raise _not_found(s, "reward model config", err) from err
+    if not _is_reward_model(config):
+        raise UserInputError(
+            f"not a reward model: architectures {getattr(config, 'architectures', None)} has no "
+            "*ForSequenceClassification",
+            where=s,
+            fix="train one with `rlhflab reward`, or build one from a causal LM with build_reward_model_from_causal",
+        )
+    if config.num_labels != 1:
+        raise UserInputError(
+            f"a reward model must have exactly one output; found {config.num_labels}",
+            where=s,
+            fix="use a scalar reward model (num_labels=1); a classifier with several labels is not a reward",
+        )
+    model = AutoModelForSequenceClassification.from_pretrained(
+        s, config=config, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code
+    )
+    if model.config.get_text_config().pad_token_id is None:
+        if tokenizer is None and Path(s).is_dir() and (Path(s) / "tokenizer_config.json").is_file():
+            tokenizer = load_tokenizer(s, trust_remote_code=trust_remote_code)
+        pad = _pad_id_from(tokenizer)
+        if pad is None:
+            raise UserInputError(
+                "the reward model's config has no pad_token_id and no tokenizer was given to take it from",
+                where=s,
+                fix="pass tokenizer=..., or set pad_token_id in config.json",
+            )
+        _set_pad(model, pad)
+    return model
+
+
+def build_reward_model_from_causal(
+    path_or_model: str | Path | PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    dtype: str = "float32",
+    trust_remote_code: bool = False,
+) -> PreTrainedModel:
+    """A num_labels=1 `*ForSequenceClassification` whose trunk is a causal LM's (e.g. the SFT model).
+
+    A given model object is copied, never shared. The score head is normal(0, 1/sqrt(H+1)), zero bias.
+    """
+    if isinstance(path_or_model, nn.Module):
+        config = copy.deepcopy(path_or_model.config)
+        config.num_labels = 1
+        model = AutoModelForSequenceClassification.from_config(config, dtype=path_or_model.dtype)
+        model.base_model.load_state_dict(path_or_model.base_model.state_dict())
+    else:
+        if dtype not in DTYPES:
+            raise UserInputError(f"unknown dtype {dtype!r}", where="dtype", fix=f"use one of {sorted(DTYPES)}")
+        s = _check_exists(path_or_model, "model")
+        try:
+            model = AutoModelForSequenceClassification.from_pretrained(
+                s, num_labels=1, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code
+            )
+        except (OSError, ValueError) as err:
+            raise _not_found(s, "causal LM for the reward model", err) from err
+    init_scalar_head(model.score)
+    _set_pad(model, _pad_id_from(tokenizer))
+    return model
+
+
+def build_random_reward_model(
+    tokenizer: PreTrainedTokenizerBase,
+    arch: str = "llama",
+    hidden_size: int = 32,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    intermediate_size: int = 64,
+    seed: int = 0,
+) -> PreTrainedModel:
+    """A tiny randomly initialised scalar reward model for smoke runs; identical for equal seeds."""
+    trunk = build_tiny_model(
+        tokenizer, arch=arch, hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads,
+        intermediate_size=intermediate_size, seed=seed,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return build_reward_model_from_causal(trunk, tokenizer)
+
+
+def last_real_index(attention_mask: Tensor) -> Tensor:
+    """(B,) index of the last position where `attention_mask` is 1 (0 for an all-padding row)."""
+    positions = torch.arange(attention_mask.shape[-1], device=attention_mask.device)
+    return (positions * attention_mask.long()).argmax(-1)
+
+
+def to_right_padding(input_ids: Tensor, attention_mask: Tensor) -> tuple[Tensor, Tensor]:
+    """Move every row's real tokens to the front, in order (stable sort on "is padding")."""
+    order = torch.argsort((attention_mask == 0).int(), dim=-1, stable=True)
+    return input_ids.gather(-1, order), attention_mask.gather(-1, order)
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    """The transformers model inside a PeftModel (LoRA layers stay in place and active)."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
+def sequence_scores(reward_model: nn.Module, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+    """(B, L) ids and mask -> (B,) scores read at each row's last real token, any padding side.
+
+    Decoder classifiers (a `score` layer on a base model): the trunk runs with explicit
+    position_ids = cumsum(mask) - 1 (clamped at 0), so a left-padded row is positioned
+    as if unpadded, and `score` is applied at the gathered last real position. Other
+    models (BERT-like encoders pooling at position 0) get a right-padded batch and
+    `logits[:, 0]`.
+    """
+    model = _unwrap(reward_model)
+    mask = attention_mask.long()
+    score = getattr(model, "score", None)
+    trunk = model.base_model
+    if isinstance(score, nn.Module) and trunk is not model:
+        position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+        hidden = trunk(
+            input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=False
+        ).last_hidden_state  # (B, L, H)
+        rows = torch.arange(input_ids.shape[0], device=input_ids.device)
+        last = hidden[rows, last_real_index(mask)]  # (B, H)
+        return score(last)[:, 0]
+    ids, mask = to_right_padding(input_ids, mask)
+    return model(input_ids=ids, attention_mask=mask).logits[:, 0]

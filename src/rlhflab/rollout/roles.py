@@ -1,0 +1,124 @@
+"""Policy, reference and value behind three calls, whatever the memory mode.
+
+Memory modes (MISSION.md §3, README "PPO memory modes"):
+- full fine-tune: the reference is a frozen copy (resident), or reloaded from
+  disk for each rollout's log-probs and freed again (`reference_mode="reload"`);
+- LoRA policy: the reference is the same base with the adapter switched off;
+- value: a scalar head on the policy's own trunk (`shared`), a separate value
+  model (`separate`), or a second LoRA adapter + head on the same frozen base
+  (`lora_adapter`), so policy, reference and value share one backbone.
+Dropout is off in every role: with dropout, ratio != 1 at the first minibatch.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from rlhflab import models
+from rlhflab.core.logprobs import selective_log_softmax
+from rlhflab.data import position_ids_from_mask
+
+
+def joined(query_ids: Tensor, query_mask: Tensor, response_ids: Tensor, response_mask: Tensor):
+    """(B, P) + (B, T) -> input_ids, attention_mask, position_ids over (B, P+T)."""
+    input_ids = torch.cat([query_ids, response_ids], dim=1)
+    attention = torch.cat([query_mask, response_mask], dim=1).long()
+    return input_ids, attention, position_ids_from_mask(attention)
+
+
+class PolicyRoles:
+    """The trained policy (+ value) and the frozen reference, in one of the memory modes."""
+
+    def __init__(
+        self,
+        policy: torch.nn.Module,
+        *,
+        value_mode: str = "shared",
+        value_head: torch.nn.Module | None = None,
+        value_model: torch.nn.Module | None = None,
+        reference: torch.nn.Module | None = None,
+        load_reference: Callable[[], torch.nn.Module] | None = None,
+        lora: bool = False,
+    ):
+        self.policy = policy
+        self.value_mode = value_mode
+        self.value_head = value_head
+        self.value_model = value_model
+        self.reference = reference
+        self.load_reference = load_reference
+        self.lora = lora
+        for module in (policy, value_model, reference):
+            if module is not None:
+                models.disable_dropout(module)
+        if reference is not None:
+            reference.requires_grad_(False).eval()
+
+    # --- trainable state ---------------------------------------------------------------
+
+    def modules(self) -> list[torch.nn.Module]:
+        return [m for m in (self.policy, self.value_head, self.value_model) if m is not None]
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        seen, params = set(), []
+        for module in self.modules():
+            for p in module.parameters():
+                if p.requires_grad and id(p) not in seen:
+                    seen.add(id(p))
+                    params.append(p)
+        return params
+
+    def train(self, mode: bool = True) -> None:
+        for module in self.modules():
+            module.train(mode)
+
+    # --- forward passes ----------------------------------------------------------------
+
+    def _policy_adapter(self):
+        return models.use_adapter(self.policy, "default") if self.value_mode == "lora_adapter" else nullcontext()
+
+    def policy_forward(self, query_ids, query_mask, response_ids, response_mask) -> tuple[Tensor, Tensor | None]:
+        """Logits predicting each response token (B, T, V) and, for a shared trunk, values (B, T)."""
+        input_ids, attention, positions = joined(query_ids, query_mask, response_ids, response_mask)
+        start = query_ids.shape[1] - 1
+        with self._policy_adapter():
+            out = self.policy(input_ids=input_ids, attention_mask=attention, position_ids=positions,
+                              output_hidden_states=self.value_mode == "shared")
+        logits = out.logits[:, start:-1]
+        if self.value_mode != "shared":
+            return logits, None
+        values = self.value_head(out.hidden_states[-1][:, start:-1])
+        return logits, values
+
+    def values(self, query_ids, query_mask, response_ids, response_mask) -> Tensor:
+        """V(s_t) for every response token, from the value model or value adapter. (B, T)."""
+        input_ids, attention, positions = joined(query_ids, query_mask, response_ids, response_mask)
+        start = query_ids.shape[1] - 1
+        if self.value_mode == "separate":
+            return self.value_model(input_ids, attention, positions)[:, start:-1]
+        with models.use_adapter(self.policy, "value"):
+            hidden = models.last_hidden_state(self.policy, input_ids, attention, positions)
+        return self.value_head(hidden[:, start:-1])
+
+    def logits_and_values(self, query_ids, query_mask, response_ids, response_mask) -> tuple[Tensor, Tensor]:
+        logits, values = self.policy_forward(query_ids, query_mask, response_ids, response_mask)
+        if values is None:
+            values = self.values(query_ids, query_mask, response_ids, response_mask)
+        return logits, values
+
+    @torch.no_grad()
+    def reference_logprobs(self, query_ids, query_mask, response_ids, response_mask, temperature: float) -> Tensor:
+        """log pi_ref(a_t|s_t) for every response token (B, T), computed once per rollout."""
+        input_ids, attention, positions = joined(query_ids, query_mask, response_ids, response_mask)
+        start = query_ids.shape[1] - 1
+        if self.lora:
+            with self.policy.disable_adapter():
+                logits = self.policy(input_ids=input_ids, attention_mask=attention, position_ids=positions).logits
+        else:
+            reference = self.reference if self.reference is not None else self.load_reference()
+            logits = reference(input_ids=input_ids, attention_mask=attention, position_ids=positions).logits
+            del reference  # with reference_mode=reload nothing keeps it alive after this call
+        return selective_log_softmax(logits[:, start:-1], response_ids, temperature)

@@ -1,0 +1,71 @@
+"""One PPO rollout: generate, then the numbers every later step needs, computed once."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from rlhflab.core.logprobs import entropy_from_logits, selective_log_softmax
+from rlhflab.rollout.generate import GenerationSettings, generate
+from rlhflab.rollout.roles import PolicyRoles
+
+
+@dataclass(frozen=True)
+class Rollout:
+    query_ids: Tensor  # (B, P) left-padded prompt tokens
+    query_mask: Tensor  # (B, P) bool
+    response_ids: Tensor  # (B, T) pad after the first EOS
+    response_mask: Tensor  # (B, T) bool, True up to and including the first EOS
+    logprobs: Tensor  # (B, T) log pi_old(a_t|s_t), same temperature as sampling; 0 where masked
+    ref_logprobs: Tensor  # (B, T) log pi_ref(a_t|s_t); 0 where masked
+    values: Tensor  # (B, T) V_old(s_t); 0 where masked
+    entropy: Tensor  # (B, T) policy entropy at each response position; 0 where masked
+    ended_with_eos: Tensor  # (B,) bool, False when the response hit the length cap
+    seconds: dict  # wall time of "generation" and "forward" (old log-probs, reference, values)
+
+    @property
+    def batch_size(self) -> int:
+        return self.query_ids.shape[0]
+
+
+@torch.no_grad()
+def collect_rollout(
+    roles: PolicyRoles,
+    prompts: list[list[int]],
+    *,
+    pad_id: int,
+    eos_id: int,
+    settings: GenerationSettings,
+    generator: torch.Generator | None = None,
+) -> Rollout:
+    """Generate responses, then recompute old log-probs and values with one forward pass.
+
+    Old log-probs come from a forward pass over the finished sequences rather than
+    from the sampling loop, so they match the training forward exactly and the
+    first minibatch of the first epoch has ratio == 1 (DESIGN.md).
+    """
+    roles.train(False)
+    started = time.time()
+    out = generate(roles.policy, prompts, pad_id=pad_id, eos_id=eos_id, settings=settings, generator=generator)
+    generated = time.time()
+    q_ids, q_mask, r_ids, r_mask = out.query_ids, out.query_mask, out.response_ids, out.response_mask
+    logits, values = roles.logits_and_values(q_ids, q_mask, r_ids, r_mask)
+    logprobs = selective_log_softmax(logits, r_ids, settings.temperature)
+    entropy = entropy_from_logits(logits, settings.temperature)
+    ref_logprobs = roles.reference_logprobs(q_ids, q_mask, r_ids, r_mask, settings.temperature)
+    zero = torch.zeros((), dtype=logprobs.dtype)
+    return Rollout(
+        query_ids=q_ids,
+        query_mask=q_mask,
+        response_ids=r_ids,
+        response_mask=r_mask,
+        logprobs=torch.where(r_mask, logprobs, zero),
+        ref_logprobs=torch.where(r_mask, ref_logprobs, zero),
+        values=torch.where(r_mask, values.float(), zero),
+        entropy=torch.where(r_mask, entropy, zero),
+        ended_with_eos=out.ended_with_eos,
+        seconds={"generation": generated - started, "forward": time.time() - generated},
+    )

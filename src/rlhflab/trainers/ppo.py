@@ -1,0 +1,246 @@
+"""PPO-RLHF: policy, reference, reward and value, one explicit loop.
+
+    rlhflab ppo --model runs/demo-.../sft/model --reward checker
+
+Each update (numbered as in README "PPO, step by step"):
+  1. sample `batch_size` prompts
+  2. generate responses; old log-probs, reference log-probs and values, once
+  3. score the finished responses; subtract `missing_eos_penalty` where EOS never came
+  4. per-token rewards r_t = -beta * KL_t, plus the score on the last real token
+  5. GAE advantages and returns; whiten advantages
+  6. `num_ppo_epochs` passes over shuffled minibatches: clipped policy loss
+     + vf_coef * clipped value loss, gradient clipping, AdamW, LR schedule
+  7. update the KL coefficient (adaptive controller), log metrics, evaluate every N
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+import torch
+from tqdm.auto import tqdm
+
+from rlhflab import core, data, tasks
+from rlhflab.config import PPOConfig, write_config
+from rlhflab.core import KL_ESTIMATORS, clipped_value_loss, gae, masked_mean, ppo_policy_loss, whiten
+from rlhflab.core.logprobs import selective_log_softmax
+from rlhflab.rollout import GenerationSettings, decode_responses
+from rlhflab.rollout.rollout import Rollout, collect_rollout
+from rlhflab.tracking import RunDir, RunResult, default_run_path
+from rlhflab.trainers.ppo_eval import PPOEvaluator
+from rlhflab.trainers.ppo_save import save_ppo_models
+from rlhflab.trainers.ppo_setup import build_reward, build_roles, check_ppo_config
+from rlhflab.trainers.setup import configure_threads, make_optimizer, make_scheduler, seed_everything
+
+log = logging.getLogger("rlhflab")
+
+
+def kl_controller(cfg: PPOConfig):
+    if cfg.adaptive_kl:
+        return core.AdaptiveKLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon)
+    return core.FixedKLController(cfg.kl_coef)
+
+
+def score_rollout(rollout: Rollout, reward_fn, tokenizer, items: list[tasks.TaskItem], penalty: float):
+    """(B,) scores with the missing-EOS penalty, and (B,) validity of each row."""
+    texts = decode_responses(tokenizer, rollout.response_ids, rollout.response_mask, tokenizer.eos_token_id)
+    scored = reward_fn([i.prompt for i in items], texts, items)
+    scores = scored.scores.float() - penalty * (~rollout.ended_with_eos).float()
+    valid = scored.valid & torch.isfinite(scores)
+    return torch.where(valid, scores, torch.zeros_like(scores)), valid, texts
+
+
+def token_rewards(scores, kl, response_mask, kl_coef: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """r_t = -beta * KL_t on every real token, plus the score on the last real one. (B, T)."""
+    non_score = -kl_coef * kl
+    last = (response_mask.sum(dim=1) - 1).clamp(min=0)  # (B,)
+    rewards = non_score.clone()
+    rewards[torch.arange(rewards.shape[0]), last] += scores
+    return torch.where(response_mask, rewards, torch.zeros_like(rewards)), non_score
+
+
+def minibatch_losses(roles, rollout: Rollout, idx, advantages, returns, cfg: PPOConfig, weight: float):
+    """Loss of one (micro-)batch, scaled by its share of the minibatch's real tokens."""
+    q, qm, r, rm = (t[idx] for t in (rollout.query_ids, rollout.query_mask, rollout.response_ids, rollout.response_mask))
+    logits, values = roles.logits_and_values(q, qm, r, rm)
+    logprobs = selective_log_softmax(logits, r, cfg.temperature)
+    pg_loss, pg_stats = ppo_policy_loss(logprobs, rollout.logprobs[idx], advantages[idx], rm, cfg.cliprange)
+    vf_loss, vf_stats = clipped_value_loss(values.float(), rollout.values[idx], returns[idx], rm, cfg.cliprange_value)
+    loss = (pg_loss + cfg.vf_coef * vf_loss) * weight
+    ratio = torch.exp(logprobs - rollout.logprobs[idx]).detach()
+    stats = {"loss/policy": pg_loss.detach(), "loss/value": vf_loss.detach(),
+             **{f"policy/{k}": v for k, v in pg_stats.items()}, "val/clipfrac": vf_stats["clipfrac"],
+             "ratio_var": masked_var_of(ratio, rm)}
+    return loss, stats
+
+
+def masked_var_of(x, mask):
+    return core.masked_var(x, mask) if mask.sum() > 1 else torch.zeros(())
+
+
+def ppo_epochs(roles, optimizer, scheduler, rollout: Rollout, advantages, returns, cfg: PPOConfig, generator):
+    """Step 6: num_ppo_epochs x num_mini_batches optimiser steps; returns averaged stats."""
+    roles.train(True)
+    params = roles.trainable_parameters()
+    batch = rollout.batch_size
+    mb_size = batch // cfg.num_mini_batches
+    micro = max(1, math.ceil(mb_size / cfg.gradient_accumulation_steps))
+    history: list[dict] = []
+    for _ in range(cfg.num_ppo_epochs):
+        order = torch.randperm(batch, generator=generator)
+        for start in range(0, batch, mb_size):
+            mb_idx = order[start : start + mb_size]
+            mb_tokens = rollout.response_mask[mb_idx].sum().clamp(min=1)
+            for m_start in range(0, mb_size, micro):
+                idx = mb_idx[m_start : m_start + micro]
+                weight = (rollout.response_mask[idx].sum() / mb_tokens).item()
+                loss, stats = minibatch_losses(roles, rollout, idx, advantages, returns, cfg, weight)
+                if not torch.isfinite(loss):
+                    raise FloatingPointError(f"non-finite PPO loss {loss.item()} (minibatch rows {idx.tolist()})")
+                loss.backward()
+                history.append(stats)
+            clip = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, clip)
+            if not torch.isfinite(grad_norm):
+                raise FloatingPointError(f"non-finite gradient norm (minibatch rows {mb_idx.tolist()})")
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            history[-1]["grad_norm"] = grad_norm.detach()
+    return average_stats(history)
+
+
+def average_stats(history: list[dict]) -> dict:
+    keys = {k for h in history for k in h}
+    out = {}
+    for key in keys:
+        values = torch.stack([h[key].float() for h in history if key in h])
+        if key == "policy/ratio_max":
+            out[key] = values.max().item()
+        elif key == "policy/ratio_min":
+            out[key] = values.min().item()
+        else:
+            out[key] = values.mean().item()
+    return out
+
+
+def rollout_metrics(rollout, scores, kl, non_score, advantages_raw, returns, kl_coef, valid) -> dict:
+    mask = rollout.response_mask
+    lengths = mask.sum(dim=1).float()
+    kl_seq = (kl * mask).sum(dim=1)
+    non_score_seq = (non_score * mask).sum(dim=1)
+    return {
+        "objective/scores": scores[valid].mean().item() if valid.any() else float("nan"),
+        "objective/kl": kl_seq.mean().item(),
+        "objective/non_score_reward": non_score_seq.mean().item(),
+        "objective/rlhf_reward": (scores + non_score_seq)[valid].mean().item() if valid.any() else float("nan"),
+        "objective/entropy": masked_mean(rollout.entropy, mask).item(),
+        "val/explained_variance": core.explained_variance(rollout.values, returns, mask).item(),
+        "val/num_eos_tokens": int(rollout.ended_with_eos.sum().item()),
+        "response/length_mean": lengths.mean().item(),
+        "reward/invalid_rows": int((~valid).sum().item()),
+        "kl_coef": kl_coef,
+    }
+
+
+def train(cfg: PPOConfig, run: RunDir | None = None) -> RunResult:
+    """Run PPO as configured; returns the run folder and the HF policy folder it wrote."""
+    started = time.time()
+    check_ppo_config(cfg)
+    configure_threads(cfg.threads)
+    seed_everything(cfg.seed)
+    roles, tokenizer = build_roles(cfg)
+    reward_fn = build_reward(cfg, tokenizer)
+    splits = tasks.build_splits(cfg.split_seed, cfg.num_train_prompts, cfg.num_validation_prompts, cfg.num_test_prompts)
+    train_items = splits["train"]
+    prompt_ids = data.encode_prompts(tokenizer, [i.prompt for i in train_items])
+    run = run or RunDir(cfg.output_dir or default_run_path("ppo"), overwrite=cfg.overwrite, report_to=cfg.report_to)
+    write_config(cfg, run.path / "config.yaml")
+    run.write_versions()
+
+    num_updates = cfg.total_episodes // cfg.batch_size
+    optimizer = make_optimizer(roles.trainable_parameters(), cfg)
+    scheduler = make_scheduler(optimizer, cfg, num_updates * cfg.num_ppo_epochs * cfg.num_mini_batches)
+    kl_ctl = kl_controller(cfg)
+    generator = torch.Generator().manual_seed(cfg.seed)
+    settings = GenerationSettings(cfg.response_length, True, cfg.temperature, cfg.top_k, cfg.top_p)
+    evaluator = PPOEvaluator(splits["validation"], tokenizer, cfg, run)
+    first = evaluator.evaluate(roles.policy, step=0, episode=0)
+    order: list[int] = []
+    episode, last = 0, {}
+    bar = tqdm(range(1, num_updates + 1), desc="ppo", unit="update", disable=not cfg.progress)
+    for update in bar:
+        t0 = time.time()
+        # 1. sample prompts: shuffled passes over the train split
+        while len(order) < cfg.batch_size:
+            order.extend(torch.randperm(len(train_items), generator=generator).tolist())
+        batch_ids, order = order[: cfg.batch_size], order[cfg.batch_size :]
+        items = [train_items[i] for i in batch_ids]
+        # 2. rollout: generate, then old / reference log-probs and values in one pass each
+        rollout = collect_rollout(roles, [prompt_ids[i] for i in batch_ids], pad_id=tokenizer.pad_token_id,
+                                  eos_id=tokenizer.eos_token_id, settings=settings, generator=generator)
+        t1 = time.time()
+        # 3. scores, with the missing-EOS penalty; rows the reward failed on are masked out
+        scores, valid, _ = score_rollout(rollout, reward_fn, tokenizer, items, cfg.missing_eos_penalty)
+        if not valid.any():
+            raise FloatingPointError(f"update {update}: the reward source failed on every row of the batch")
+        mask = rollout.response_mask & valid.unsqueeze(1)
+        # 4. per-token rewards: KL penalty on every token, score on the last real one
+        kl = KL_ESTIMATORS[cfg.kl_estimator](rollout.logprobs, rollout.ref_logprobs, mask)
+        rewards, non_score = token_rewards(scores, kl, mask, kl_ctl.value)
+        if cfg.whiten_rewards:
+            rewards = whiten(rewards, mask, shift_mean=False)
+        # 5. advantages (GAE) and returns, advantages whitened over the rollout
+        advantages, returns = gae(rewards, rollout.values, mask, cfg.gamma, cfg.lam)
+        if cfg.whiten_advantages:
+            advantages = whiten(advantages, mask)
+        t2 = time.time()
+        # 6. PPO epochs over minibatches
+        masked_rollout = rollout if bool(valid.all()) else _with_mask(rollout, mask)
+        stats = ppo_epochs(roles, optimizer, scheduler, masked_rollout, advantages, returns, cfg, generator)
+        t3 = time.time()
+        # 7. KL coefficient, metrics, periodic evaluation
+        kl_coef_used = kl_ctl.value
+        kl_ctl.update((kl * mask).sum(dim=1).mean().item(), cfg.batch_size)
+        episode += cfg.batch_size
+        generated_tokens = int(rollout.response_mask.sum().item())
+        last = {
+            **rollout_metrics(rollout, scores, kl, non_score, advantages, returns, kl_coef_used, valid),
+            **_ppo_names(stats), "lr": scheduler.get_last_lr()[0], "episode": episode,
+            "eps": cfg.batch_size / (t3 - t0), "tokens_per_s": generated_tokens / max(rollout.seconds["generation"], 1e-9),
+            "time/generation": rollout.seconds["generation"], "time/scoring": rollout.seconds["forward"] + (t2 - t1),
+            "time/training": t3 - t2,
+        }
+        run.log(last, step=update)
+        if (cfg.eval_every and update % cfg.eval_every == 0) or update == num_updates:
+            last_eval = evaluator.evaluate(roles.policy, step=update, episode=episode)
+            bar.set_postfix(pass_rate=f"{last_eval['val/pass_rate']:.2f}", kl=f"{last['objective/kl']:.2f}",
+                            score=f"{last['objective/scores']:.2f}")
+
+    model_dir = save_ppo_models(roles, tokenizer, run.path)
+    summary = run.update_summary(
+        stage="ppo", reward=cfg.reward, updates=num_updates, episodes=episode,
+        validation_pass_rate={"start": first["val/pass_rate"], "end": last_eval["val/pass_rate"]},
+        final={k: last[k] for k in ("objective/kl", "objective/scores", "objective/rlhf_reward", "eps",
+                                    "response/length_mean", "kl_coef")},
+        wall_time_s={"ppo": round(time.time() - started, 1)}, model_dir=str(model_dir),
+    )
+    run.close()
+    return RunResult(run.path, summary, model_dir)
+
+
+def _with_mask(rollout: Rollout, mask) -> Rollout:
+    from dataclasses import replace
+
+    return replace(rollout, response_mask=mask)
+
+
+def _ppo_names(stats: dict) -> dict:
+    """Averages over minibatches, under TRL's metric names."""
+    names = {"loss/policy": "loss/policy_avg", "loss/value": "loss/value_avg", "policy/clipfrac": "policy/clipfrac_avg",
+             "policy/approxkl": "policy/approxkl_avg", "val/clipfrac": "val/clipfrac_avg", "policy/ratio_mean": "val/ratio",
+             "ratio_var": "val/ratio_var", "policy/ratio_max": "policy/ratio_max", "policy/ratio_min": "policy/ratio_min",
+             "grad_norm": "grad_norm"}
+    return {names[k]: v for k, v in stats.items() if k in names}

@@ -1,0 +1,84 @@
+"""Build PPO's roles and reward source from a `PPOConfig`."""
+
+from __future__ import annotations
+
+import logging
+
+from rlhflab import models, rewards
+from rlhflab.config import PPOConfig
+from rlhflab.errors import UserInputError
+from rlhflab.rollout.roles import PolicyRoles
+
+log = logging.getLogger("rlhflab")
+
+
+def check_ppo_config(cfg: PPOConfig) -> None:
+    """Refuse combinations that cannot work, before anything is loaded."""
+    if not cfg.model:
+        raise UserInputError("no policy given", "--model", "pass the SFT model folder, e.g. runs/demo-.../sft/model")
+    if cfg.batch_size % cfg.num_mini_batches:
+        raise UserInputError(
+            f"batch_size {cfg.batch_size} is not divisible by num_mini_batches {cfg.num_mini_batches}",
+            "--num_mini_batches", "choose a divisor of batch_size")
+    if cfg.total_episodes < cfg.batch_size:
+        raise UserInputError(f"total_episodes {cfg.total_episodes} < batch_size {cfg.batch_size}: no update",
+                             "--total_episodes", "raise total_episodes or lower batch_size")
+    if cfg.value_mode == "lora_adapter" and cfg.lora_r <= 0:
+        raise UserInputError("value_mode=lora_adapter needs a LoRA policy", "--value_mode", "set --lora_r 8 (or more)")
+    if cfg.reward in ("model", "combined") and not cfg.reward_model:
+        raise UserInputError(f"reward={cfg.reward} needs a reward model", "--reward_model", "pass a reward model folder")
+
+
+def _lora_targets(cfg: PPOConfig):
+    names = cfg.lora_target_modules
+    return names if names == "all-linear" else [n.strip() for n in names.split(",") if n.strip()]
+
+
+def build_roles(cfg: PPOConfig) -> tuple[PolicyRoles, object]:
+    """Policy (+ LoRA), reference (copy, reload or adapter-off) and value (shared, separate, adapter)."""
+    tokenizer = models.load_tokenizer(cfg.tokenizer or cfg.model, trust_remote_code=cfg.trust_remote_code)
+    load = lambda path: models.load_causal_lm(path, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code)  # noqa: E731
+    policy = load(cfg.model)
+    lora = cfg.lora_r > 0
+    if lora:
+        policy = models.apply_lora(policy, r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
+                                   target_modules=_lora_targets(cfg))
+    reference, load_reference = None, None
+    if not lora:
+        reference_path = cfg.reference or cfg.model
+        if cfg.reference_mode == "resident":
+            reference = load(reference_path)
+        else:
+            load_reference = lambda: load(reference_path).requires_grad_(False).eval()  # noqa: E731
+    elif cfg.reference:
+        log.warning("LoRA policy: the reference is the base with the adapter off; --reference is ignored")
+    hidden = policy.config.hidden_size
+    value_head, value_model = None, None
+    if cfg.value_mode == "shared":
+        value_head = models.ValueHead(hidden)
+    elif cfg.value_mode == "separate":
+        value_model = models.ValueModel.from_pretrained(cfg.value_model or cfg.model, dtype=cfg.dtype,
+                                                        trust_remote_code=cfg.trust_remote_code)
+    else:
+        models.add_value_adapter(policy, r=cfg.lora_r, alpha=cfg.lora_alpha)
+        value_head = models.ValueHead(hidden)
+    roles = PolicyRoles(policy, value_mode=cfg.value_mode, value_head=value_head, value_model=value_model,
+                        reference=reference, load_reference=load_reference, lora=lora)
+    return roles, tokenizer
+
+
+def build_reward(cfg: PPOConfig, tokenizer):
+    """The reward source named by `cfg.reward`, behind one call."""
+    checker = rewards.CheckerReward()
+    if cfg.reward == "checker":
+        return checker
+    if cfg.reward == "random":
+        rm = models.build_random_reward_model(tokenizer, seed=cfg.seed)
+        return rewards.ModelReward(rm, tokenizer)
+    rm_tokenizer = models.load_tokenizer(cfg.reward_model, trust_remote_code=cfg.trust_remote_code)
+    rm = models.load_reward_model(cfg.reward_model, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code,
+                                  tokenizer=rm_tokenizer)
+    learned = rewards.ModelReward(rm, rm_tokenizer, shift=cfg.reward_shift, scale=cfg.reward_scale)
+    if cfg.reward == "model":
+        return learned
+    return rewards.CombinedReward([(checker, cfg.checker_weight), (learned, cfg.reward_model_weight)])

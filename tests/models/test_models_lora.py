@@ -1,0 +1,120 @@
+"""LoRA: the reference (adapters off) is the base model exactly; policy and value adapters both train."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from rlhflab.errors import UserInputError
+from rlhflab.models import adapter_values, add_value_adapter, apply_lora, build_tiny_model, build_tokenizer
+from rlhflab.models import trainable_parameters, use_adapter
+from rlhflab.tasks import template_corpus
+
+TINY = dict(hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64)
+
+
+@pytest.fixture(scope="module")
+def suite_tokenizer():
+    return build_tokenizer(template_corpus(), 256)
+
+
+@pytest.fixture()
+def setup(suite_tokenizer):
+    base = build_tiny_model(suite_tokenizer, **TINY).eval()
+    reference = copy.deepcopy(base)
+    ids = torch.tensor([suite_tokenizer.encode("Add 3 and 4.\nRESULT: 7") + [suite_tokenizer.eos_token_id]])
+    mask = torch.ones_like(ids)
+    positions = torch.arange(ids.shape[1]).unsqueeze(0)
+    return base, reference, (ids, mask, positions)
+
+
+def base_weights(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" not in n}
+
+
+def lora_weights(model, adapter):
+    return {n: p.detach().clone() for n, p in model.named_parameters() if f".{adapter}." in n and "lora_" in n}
+
+
+def policy_step(model, ids, lr=0.1):
+    optimizer = torch.optim.SGD(trainable_parameters(model), lr=lr)
+    model(input_ids=ids).logits.logsumexp(-1).mean().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def test_reference_is_the_base_model_before_and_after_a_step(setup):
+    base, reference, (ids, _, _) = setup
+    model = apply_lora(base, r=4, alpha=8)
+    before = base_weights(model)
+    with torch.no_grad():
+        expected = reference(ids).logits
+        assert torch.equal(model(input_ids=ids).logits, expected)  # B = 0 at init: policy == reference
+        with model.disable_adapter():
+            assert torch.equal(model(input_ids=ids).logits, expected)
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert names and all("lora_" in n for n in names)
+    policy_step(model, ids)
+    with torch.no_grad():
+        assert not torch.equal(model(input_ids=ids).logits, expected)  # the policy moved
+        with model.disable_adapter():
+            assert torch.equal(model(input_ids=ids).logits, expected)  # the reference did not
+    after = base_weights(model)
+    assert all(torch.equal(before[n], after[n]) for n in before)
+
+
+def test_value_adapter_and_policy_adapter_both_train(setup):
+    base, reference, (ids, mask, positions) = setup
+    model = apply_lora(base, r=4, alpha=8)
+    head = add_value_adapter(model, r=4, alpha=8)
+    assert model.active_adapter == "default"
+    policy_before, value_before = lora_weights(model, "default"), lora_weights(model, "value")
+    frozen_before = base_weights(model)
+    assert policy_before and value_before
+    # peft's add_adapter leaves a new adapter frozen; ours must be trainable
+    assert all(p.requires_grad for n, p in model.named_parameters() if "lora_" in n)
+    params = trainable_parameters(model) + list(head.parameters())
+    optimizer = torch.optim.SGD(params, lr=0.1)
+
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+    values = adapter_values(model, head, ids, mask, positions)
+    assert values.shape == ids.shape and model.active_adapter == "default"
+    (logits.logsumexp(-1).mean() + values.square().mean()).backward()
+    named = dict(model.named_parameters())
+    for adapter in ("default", "value"):
+        grads = [named[n].grad for n in lora_weights(model, adapter) if "lora_B" in n]
+        assert all(g is not None and g.abs().sum() > 0 for g in grads), adapter
+    assert head.summary.weight.grad.abs().sum() > 0
+    optimizer.step()
+
+    policy_after, value_after = lora_weights(model, "default"), lora_weights(model, "value")
+    assert all(not torch.equal(policy_before[n], policy_after[n]) for n in policy_before if "lora_B" in n)
+    assert all(not torch.equal(value_before[n], value_after[n]) for n in value_before if "lora_B" in n)
+    assert all(torch.equal(frozen_before[n], p) for n, p in base_weights(model).items())
+    with torch.no_grad(), model.disable_adapter():  # reference is still the untouched base model
+        assert torch.equal(model(input_ids=ids).logits, reference(ids).logits)
+    # both adapters still trainable after switching back and forth
+    assert all(p.requires_grad for n, p in model.named_parameters() if "lora_" in n)
+
+
+def test_use_adapter_switches_and_restores(setup):
+    base, _, (ids, mask, positions) = setup
+    model = apply_lora(base, r=4, alpha=8)
+    add_value_adapter(model, r=4, alpha=8)
+    with torch.no_grad():  # make the value adapter change the output
+        for name, param in model.named_parameters():
+            if "lora_B.value" in name:
+                param.fill_(0.01)
+        policy_logits = model(input_ids=ids).logits
+        with use_adapter(model, "value"):
+            assert model.active_adapter == "value"
+            assert not torch.equal(model(input_ids=ids).logits, policy_logits)
+        assert model.active_adapter == "default"
+        assert torch.equal(model(input_ids=ids).logits, policy_logits)
+    with pytest.raises(UserInputError, match="no adapter named 'critic'"):
+        with use_adapter(model, "critic"):
+            pass
+    with pytest.raises(UserInputError, match="already exists"):
+        add_value_adapter(model, r=4, alpha=8)

@@ -1,0 +1,142 @@
+"""Reward models: load checks, build from a causal LM, and scores read at the last real token."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from transformers import BertConfig, BertForSequenceClassification
+
+from rlhflab.errors import UserInputError
+from rlhflab.models import build_random_reward_model, build_reward_model_from_causal, build_tiny_model
+from rlhflab.models import build_tokenizer, last_real_index, load_reward_model, save_model_folder, sequence_scores
+from rlhflab.tasks import template_corpus
+
+TINY = dict(hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64)
+TEXTS = ["Add 3 and 4.\nRESULT: 7", "yes", "red,fox,blue"]
+
+
+@pytest.fixture(scope="module")
+def suite_tokenizer():
+    return build_tokenizer(template_corpus(), 256)
+
+
+@pytest.fixture(scope="module")
+def reward_model(suite_tokenizer):
+    return build_random_reward_model(suite_tokenizer, **TINY, seed=3).eval()
+
+
+def encode(tokenizer, texts):
+    return [tokenizer.encode(t) + [tokenizer.eos_token_id] for t in texts]
+
+
+def pad(rows, pad_id, side):
+    length = max(map(len, rows))
+    ids, mask = [], []
+    for row in rows:
+        fill = [pad_id] * (length - len(row))
+        ids.append(fill + row if side == "left" else row + fill)
+        mask.append([0] * len(fill) + [1] * len(row) if side == "left" else [1] * len(row) + [0] * len(fill))
+    return torch.tensor(ids), torch.tensor(mask)
+
+
+def manual_score(model, row):
+    """Unpadded forward of one sequence, score of its last token, by hand."""
+    hidden = model.model(input_ids=torch.tensor([row])).last_hidden_state[0, -1]
+    return (hidden @ model.score.weight[0]).item()
+
+
+def test_last_real_index():
+    mask = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 0], [1, 0, 0, 0], [0, 1, 1, 0]])
+    assert last_real_index(mask).tolist() == [3, 2, 0, 2]
+
+
+@pytest.mark.parametrize("pad_is_eos", [False, True])
+def test_sequence_scores_ignore_padding(suite_tokenizer, reward_model, pad_is_eos):
+    model = reward_model
+    pad_id = suite_tokenizer.pad_token_id
+    if pad_is_eos:
+        model = copy.deepcopy(reward_model)
+        pad_id = suite_tokenizer.eos_token_id
+        model.config.pad_token_id = pad_id
+    rows = encode(suite_tokenizer, TEXTS)
+    with torch.no_grad():
+        expected = [manual_score(model, row) for row in rows]
+        alone = [sequence_scores(model, torch.tensor([row]), torch.ones(1, len(row))).item() for row in rows]
+        left = sequence_scores(model, *pad(rows, pad_id, "left"))
+        right = sequence_scores(model, *pad(rows, pad_id, "right"))
+    assert alone == pytest.approx(expected, abs=1e-6)
+    assert left.tolist() == pytest.approx(expected, abs=1e-5)
+    assert right.tolist() == pytest.approx(expected, abs=1e-5)
+    assert len(set(expected)) == 3  # the rows really score differently
+    if pad_is_eos:  # HF's own pooling skips the real EOS when pad == eos: that is what we avoid
+        with torch.no_grad():
+            hf = model(*pad(rows, pad_id, "right")).logits[:, 0]
+        assert not torch.allclose(hf, right, atol=1e-3)
+
+
+def test_sequence_scores_encoder_fallback_uses_first_token():
+    torch.manual_seed(0)
+    cfg = BertConfig(vocab_size=40, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                     intermediate_size=32, num_labels=1, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    model = BertForSequenceClassification(cfg).eval()
+    rows = [[5, 6, 7, 8], [9, 10]]
+    with torch.no_grad():
+        expected = [model(torch.tensor([r])).logits[0, 0].item() for r in rows]
+        left = sequence_scores(model, *pad(rows, 0, "left"))
+    assert left.tolist() == pytest.approx(expected, abs=1e-5)
+
+
+def test_build_reward_model_from_causal(suite_tokenizer):
+    causal = build_tiny_model(suite_tokenizer, **TINY)
+    torch.manual_seed(0)
+    model = build_reward_model_from_causal(causal, suite_tokenizer)
+    assert type(model).__name__ == "LlamaForSequenceClassification" and model.config.num_labels == 1
+    assert model.score.weight.shape == (1, 32)
+    assert abs(model.score.weight.std().item() - 1 / math.sqrt(33)) < 0.07
+    assert torch.equal(model.model.embed_tokens.weight, causal.model.embed_tokens.weight)
+    assert model.model.embed_tokens.weight.data_ptr() != causal.model.embed_tokens.weight.data_ptr()
+    assert model.config.pad_token_id == suite_tokenizer.pad_token_id
+
+
+def test_build_random_reward_model_is_seeded(suite_tokenizer):
+    a = build_random_reward_model(suite_tokenizer, **TINY, seed=1)
+    b = build_random_reward_model(suite_tokenizer, **TINY, seed=1)
+    c = build_random_reward_model(suite_tokenizer, **TINY, seed=2)
+    assert torch.equal(a.score.weight, b.score.weight)
+    assert not torch.equal(a.score.weight, c.score.weight)
+
+
+def test_load_reward_model_round_trip_and_pad(tmp_path, suite_tokenizer, reward_model):
+    save_model_folder(tmp_path / "rm", reward_model, suite_tokenizer)
+    loaded = load_reward_model(tmp_path / "rm").eval()
+    ids, mask = pad(encode(suite_tokenizer, TEXTS), 0, "left")
+    with torch.no_grad():
+        assert torch.equal(sequence_scores(loaded, ids, mask), sequence_scores(reward_model, ids, mask))
+    # a config without pad_token_id takes it from the given tokenizer
+    nopad = copy.deepcopy(reward_model)
+    nopad.config.pad_token_id = None
+    nopad.save_pretrained(tmp_path / "nopad")
+    with pytest.raises(UserInputError, match="no pad_token_id"):
+        load_reward_model(tmp_path / "nopad")
+    assert load_reward_model(tmp_path / "nopad", tokenizer=suite_tokenizer).config.pad_token_id == 0
+
+
+def test_load_reward_model_refuses_two_labels(tmp_path, suite_tokenizer):
+    model = build_random_reward_model(suite_tokenizer, **TINY)
+    model.config.num_labels = 2
+    model.save_pretrained(tmp_path / "two")
+    with pytest.raises(UserInputError, match="a reward model must have exactly one output; found 2") as info:
+        load_reward_model(tmp_path / "two")
+    assert str(tmp_path / "two") in str(info.value)
+
+
+def test_load_reward_model_refuses_causal_lm_and_missing_path(tmp_path, suite_tokenizer):
+    save_model_folder(tmp_path / "sft", build_tiny_model(suite_tokenizer, **TINY), suite_tokenizer)
+    with pytest.raises(UserInputError, match="not a reward model.*LlamaForCausalLM") as info:
+        load_reward_model(tmp_path / "sft")
+    assert "build_reward_model_from_causal" in str(info.value)
+    with pytest.raises(UserInputError, match="no reward model folder"):
+        load_reward_model(tmp_path / "missing")
