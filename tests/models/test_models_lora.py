@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rlhflab.errors import UserInputError
-from rlhflab.models import adapter_values, add_value_adapter, apply_lora, build_tiny_model, build_tokenizer
+from rlhflab.models import adapter_values, adapters_off, add_value_adapter, apply_lora, build_tiny_model, build_tokenizer
 from rlhflab.models import trainable_parameters, use_adapter
 from rlhflab.tasks import template_corpus
 
@@ -93,10 +93,21 @@ def test_value_adapter_and_policy_adapter_both_train(setup):
     assert all(not torch.equal(policy_before[n], policy_after[n]) for n in policy_before if "lora_B" in n)
     assert all(not torch.equal(value_before[n], value_after[n]) for n in value_before if "lora_B" in n)
     assert all(torch.equal(frozen_before[n], p) for n, p in base_weights(model).items())
-    with torch.no_grad(), model.disable_adapter():  # reference is still the untouched base model
+    with torch.no_grad(), adapters_off(model):  # reference is still the untouched base model
         assert torch.equal(model(input_ids=ids).logits, reference(ids).logits)
     # both adapters still trainable after switching back and forth
     assert all(p.requires_grad for n, p in model.named_parameters() if "lora_" in n)
+
+
+def test_peft_disable_adapter_freezes_the_inactive_adapter(setup):
+    """The peft behaviour `adapters_off` / `use_adapter` guard against (see rlhflab/models/lora.py)."""
+    base, _, _ = setup
+    model = apply_lora(base, r=4, alpha=8)
+    add_value_adapter(model, r=4, alpha=8)
+    with model.disable_adapter():
+        pass
+    assert not any(p.requires_grad for n, p in model.named_parameters() if "lora_" in n and ".value." in n)
+    assert all(p.requires_grad for n, p in model.named_parameters() if "lora_" in n and ".default." in n)
 
 
 def test_use_adapter_switches_and_restores(setup):

@@ -28,6 +28,13 @@ def reward_model(suite_tokenizer):
     return build_random_reward_model(suite_tokenizer, **TINY, seed=3).eval()
 
 
+@pytest.fixture(scope="module")
+def reward_models(suite_tokenizer, reward_model):
+    # gpt2 has learned absolute positions: wrong position_ids on a left-padded row change its score
+    # (RoPE in llama is shift-invariant, so llama alone would not catch that)
+    return {"llama": reward_model, "gpt2": build_random_reward_model(suite_tokenizer, arch="gpt2", **TINY).eval()}
+
+
 def encode(tokenizer, texts):
     return [tokenizer.encode(t) + [tokenizer.eos_token_id] for t in texts]
 
@@ -44,7 +51,7 @@ def pad(rows, pad_id, side):
 
 def manual_score(model, row):
     """Unpadded forward of one sequence, score of its last token, by hand."""
-    hidden = model.model(input_ids=torch.tensor([row])).last_hidden_state[0, -1]
+    hidden = model.base_model(input_ids=torch.tensor([row])).last_hidden_state[0, -1]
     return (hidden @ model.score.weight[0]).item()
 
 
@@ -53,12 +60,13 @@ def test_last_real_index():
     assert last_real_index(mask).tolist() == [3, 2, 0, 2]
 
 
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
 @pytest.mark.parametrize("pad_is_eos", [False, True])
-def test_sequence_scores_ignore_padding(suite_tokenizer, reward_model, pad_is_eos):
-    model = reward_model
+def test_sequence_scores_ignore_padding(suite_tokenizer, reward_models, arch, pad_is_eos):
+    model = reward_models[arch]
     pad_id = suite_tokenizer.pad_token_id
     if pad_is_eos:
-        model = copy.deepcopy(reward_model)
+        model = copy.deepcopy(model)
         pad_id = suite_tokenizer.eos_token_id
         model.config.pad_token_id = pad_id
     rows = encode(suite_tokenizer, TEXTS)
@@ -73,7 +81,8 @@ def test_sequence_scores_ignore_padding(suite_tokenizer, reward_model, pad_is_eo
     assert len(set(expected)) == 3  # the rows really score differently
     if pad_is_eos:  # HF's own pooling skips the real EOS when pad == eos: that is what we avoid
         with torch.no_grad():
-            hf = model(*pad(rows, pad_id, "right")).logits[:, 0]
+            ids, mask = pad(rows, pad_id, "right")
+            hf = model(input_ids=ids, attention_mask=mask).logits[:, 0]
         assert not torch.allclose(hf, right, atol=1e-3)
 
 

@@ -2,18 +2,19 @@
 
 Memory mode (one base model in memory):
 - policy    = LoRA adapter "default" (active by default);
-- reference = the same model with adapters off: `with peft_model.disable_adapter(): ...`
+- reference = the same model with adapters off: `with adapters_off(peft_model): ...`
   (LoRA's B starts at zero, so at init policy == reference exactly);
 - value     = LoRA adapter "value" + a `ValueHead`, run inside `use_adapter(peft_model, "value")`.
 
 peft finding (peft 0.21, tuners_utils.BaseTunerLayer.set_adapter): `set_adapter(name)`
 sets requires_grad=True on `name` and requires_grad=False on EVERY OTHER adapter;
 `add_adapter` calls `set_adapter(active_adapters)`, so a freshly added second adapter
-starts frozen. Switching adapters naively would therefore freeze the policy's LoRA
-weights while the value adapter runs (and vice versa), and the optimiser would
-silently stop updating one of them. So `add_value_adapter` re-enables the new
-adapter's gradients, and `use_adapter` restores every parameter's requires_grad
-flag as it was before the switch.
+starts frozen. `PeftModel.disable_adapter()` does the same on exit (it calls
+`enable_adapter_layers` -> `set_adapter(active)`), so computing reference log-probs
+with it freezes the value adapter. Switching naively would therefore freeze one
+adapter's weights and the optimiser would silently stop updating them. So
+`add_value_adapter` re-enables the new adapter's gradients, and `use_adapter` /
+`adapters_off` restore every parameter's requires_grad flag as it was before.
 """
 
 from __future__ import annotations
@@ -74,22 +75,36 @@ def add_value_adapter(
 
 
 @contextmanager
+def _keep_requires_grad(model: nn.Module) -> Iterator[None]:
+    """Restore every parameter's requires_grad flag on exit (peft's switches change them)."""
+    flags = [(p, p.requires_grad) for p in model.parameters()]
+    try:
+        yield
+    finally:
+        for param, flag in flags:
+            param.requires_grad_(flag)
+
+
+@contextmanager
 def use_adapter(peft_model: PeftModel, name: str) -> Iterator[PeftModel]:
     """Make `name` the active adapter inside the block; restore the previous one and all requires_grad flags."""
     if name not in peft_model.peft_config:
         raise UserInputError(f"no adapter named {name!r}", where="adapter",
                              fix=f"use one of {sorted(peft_model.peft_config)}")
     previous = peft_model.active_adapter
-    flags = [(p, p.requires_grad) for p in peft_model.parameters()]
-    try:
-        peft_model.set_adapter(name)
-        for param, flag in flags:  # set_adapter froze the other adapters; undo that
-            param.requires_grad_(flag)
+    with _keep_requires_grad(peft_model):
+        try:
+            peft_model.set_adapter(name)
+            yield peft_model
+        finally:
+            peft_model.set_adapter(previous)
+
+
+@contextmanager
+def adapters_off(peft_model: PeftModel) -> Iterator[PeftModel]:
+    """The reference model: the frozen base with every adapter off; trainability is kept as it was."""
+    with _keep_requires_grad(peft_model), peft_model.disable_adapter():
         yield peft_model
-    finally:
-        peft_model.set_adapter(previous)
-        for param, flag in flags:
-            param.requires_grad_(flag)
 
 
 def adapter_values(

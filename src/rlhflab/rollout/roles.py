@@ -115,7 +115,7 @@ class PolicyRoles:
         input_ids, attention, positions = joined(query_ids, query_mask, response_ids, response_mask)
         start = query_ids.shape[1] - 1
         if self.lora:
-            with self.policy.disable_adapter():
+            with models.adapters_off(self.policy):
                 logits = self.policy(input_ids=input_ids, attention_mask=attention, position_ids=positions).logits
         else:
             reference = self.reference if self.reference is not None else self.load_reference()
