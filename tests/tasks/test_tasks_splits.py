@@ -20,7 +20,7 @@ def _content(items) -> set[str]:
 def test_word_pool():
     assert len(WORDS) == len(set(WORDS)) >= 5000
     assert all(w.isalpha() and w.islower() and 3 <= len(w) <= 6 for w in WORDS)
-    assert NUMBERS == tuple(range(1, 99))
+    assert NUMBERS == tuple(range(1, 1000))
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2, 17, 12345])
@@ -29,7 +29,7 @@ def test_pools_are_disjoint_and_cover_everything(seed):
     words = [set(p.words) for p in pools.values()]
     numbers = [set(p.numbers) for p in pools.values()]
     assert [len(w) for w in words] == [3325, 1108, 1108]  # 169 real + 5372 made-up words, cut 60/20/20
-    assert [len(n) for n in numbers] == [58, 20, 20]  # strata 24 (digits <= 4) + 74, each cut 60/20/20
+    assert [len(n) for n in numbers] == [599, 200, 200]  # strata 124 (digits <= 4) + 875, each cut 60/20/20
     assert set.union(*words) == set(WORDS) and set.union(*numbers) == set(NUMBERS)
     for i in range(3):
         for j in range(i + 1, 3):

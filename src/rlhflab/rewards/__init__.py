@@ -4,7 +4,7 @@
     out = reward(prompts, responses, items)   # out.scores (B,), out.valid (B,)
 """
 
-from rlhflab.rewards.base import RewardSource, Scored
+from rlhflab.rewards.base import RewardSource, Scored, as_scored
 from rlhflab.rewards.checker import CheckerReward
 from rlhflab.rewards.combine import CombinedReward
 from rlhflab.rewards.model import ModelReward, random_model_reward
@@ -24,5 +24,6 @@ __all__ = [
     "ModelReward",
     "RewardSource",
     "Scored",
+    "as_scored",
     "random_model_reward",
 ]

@@ -42,3 +42,16 @@ def scored(scores: Tensor, valid: Tensor) -> Scored:
     scores = scores.detach().to(device="cpu", dtype=torch.float32)
     valid = valid.to(device="cpu", dtype=torch.bool) & torch.isfinite(scores)
     return Scored(scores=torch.where(valid, scores, torch.zeros_like(scores)), valid=valid)
+
+
+def as_scored(result) -> Scored:
+    """A user reward function's output as `Scored`: a Scored, a tensor, or a list of floats.
+
+    NaN, inf or None marks a row the reward failed on: it is masked out and counted.
+    """
+    if isinstance(result, Scored):
+        return result
+    values = [float("nan") if v is None else float(v) for v in (result.tolist() if isinstance(result, Tensor) else result)]
+    scores = torch.tensor(values, dtype=torch.float32)
+    valid = torch.isfinite(scores)
+    return Scored(torch.where(valid, scores, torch.zeros_like(scores)), valid)

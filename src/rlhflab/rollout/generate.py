@@ -61,7 +61,8 @@ def next_tokens(logits: Tensor, settings: GenerationSettings, generator: torch.G
 
 def cache_argument(model: torch.nn.Module) -> str:
     """The forward() keyword for the KV cache: `cache` (transformers >= 5.2x) or `past_key_values`."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft wraps forward(**kwargs)
+    return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
 
 
 def returned_cache(out):

@@ -25,7 +25,7 @@ SUM_CHATTER = ("The sum is {s}. RESULT: {s}", "Sure! RESULT: {s}", "RESULT: {s} 
 
 
 def _make_sum(rng: random.Random, pool: ContentPool) -> Draw:
-    a, b = rng.choice(carry_free_pairs(pool.numbers))
+    a, b = rng.choice(carry_free_pairs(tuple(n for n in pool.numbers if 10 <= n <= 99)))  # aligned digits
     return Draw({"a": str(a), "b": str(b)}, f"RESULT: {a + b}", (str(a), str(b)))
 
 

@@ -56,7 +56,7 @@ PSEUDO_WORDS: tuple[str, ...] = tuple(
 )
 WORDS: tuple[str, ...] = REAL_WORDS + PSEUDO_WORDS
 
-NUMBERS: tuple[int, ...] = tuple(range(1, 99))
+NUMBERS: tuple[int, ...] = tuple(range(1, 1000))  # ~600 train numbers: too many to memorise one by one
 
 SPLITS: tuple[str, ...] = ("train", "validation", "test")
 SHARES: tuple[float, ...] = (0.6, 0.2, 0.2)

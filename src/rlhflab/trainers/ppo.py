@@ -22,7 +22,7 @@ import time
 import torch
 from tqdm.auto import tqdm
 
-from rlhflab import core, data, tasks
+from rlhflab import core, data, rewards, tasks
 from rlhflab.config import PPOConfig, write_config
 from rlhflab.core import KL_ESTIMATORS, clipped_value_loss, gae, masked_mean, ppo_policy_loss, whiten
 from rlhflab.core.logprobs import selective_log_softmax
@@ -46,7 +46,7 @@ def kl_controller(cfg: PPOConfig):
 def score_rollout(rollout: Rollout, reward_fn, tokenizer, items: list[tasks.TaskItem], penalty: float):
     """(B,) scores with the missing-EOS penalty, and (B,) validity of each row."""
     texts = decode_responses(tokenizer, rollout.response_ids, rollout.response_mask, tokenizer.eos_token_id)
-    scored = reward_fn([i.prompt for i in items], texts, items)
+    scored = rewards.as_scored(reward_fn([i.prompt for i in items], texts, items))
     scores = scored.scores.float() - penalty * (~rollout.ended_with_eos).float()
     valid = scored.valid & torch.isfinite(scores)
     return torch.where(valid, scores, torch.zeros_like(scores)), valid, texts
@@ -145,14 +145,18 @@ def rollout_metrics(rollout, scores, kl, non_score, advantages_raw, returns, kl_
     }
 
 
-def train(cfg: PPOConfig, run: RunDir | None = None) -> RunResult:
-    """Run PPO as configured; returns the run folder and the HF policy folder it wrote."""
+def train(cfg: PPOConfig, run: RunDir | None = None, reward_fn=None) -> RunResult:
+    """Run PPO as configured; returns the run folder and the HF policy folder it wrote.
+
+    `reward_fn(prompts, responses, items)` overrides `cfg.reward`: any callable returning
+    a `rewards.Scored` or a list of floats (NaN / None marks a row the reward failed on).
+    """
     started = time.time()
     check_ppo_config(cfg)
     configure_threads(cfg.threads)
     seed_everything(cfg.seed)
     roles, tokenizer = build_roles(cfg)
-    reward_fn = build_reward(cfg, tokenizer)
+    reward_fn = reward_fn or build_reward(cfg, tokenizer)
     splits = tasks.build_splits(cfg.split_seed, cfg.num_train_prompts, cfg.num_validation_prompts, cfg.num_test_prompts)
     train_items = splits["train"]
     prompt_ids = data.encode_prompts(tokenizer, [i.prompt for i in train_items])

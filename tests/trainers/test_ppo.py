@@ -1,0 +1,167 @@
+"""PPO invariants on tiny models: exact ratio/KL at the start, masking, parameters, accumulation, learning."""
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from rlhflab import data, models, tasks
+from rlhflab.config import PPOConfig
+from rlhflab.core import kl_k1
+from rlhflab.core.logprobs import selective_log_softmax
+from rlhflab.rollout import GenerationSettings, response_logprobs
+from rlhflab.rollout.rollout import collect_rollout
+from rlhflab.trainers import ppo
+from rlhflab.trainers.ppo_setup import build_roles
+
+MODES = {
+    "full": dict(),
+    "full-reload": dict(reference_mode="reload"),
+    "full-separate-value": dict(value_mode="separate"),
+    "lora": dict(lora_r=4),
+    "lora-value-adapter": dict(lora_r=4, value_mode="lora_adapter"),
+}
+
+
+@pytest.fixture(scope="module")
+def policy_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("policy")
+    tokenizer = models.build_tokenizer(tasks.template_corpus(), vocab_size=256)
+    model = models.build_tiny_model(tokenizer, hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64, seed=0)
+    models.save_model_folder(folder, model, tokenizer)
+    return str(folder)
+
+
+def tiny_cfg(policy_dir, **overrides) -> PPOConfig:
+    base = dict(model=policy_dir, batch_size=8, num_mini_batches=2, num_ppo_epochs=2, response_length=6,
+                total_episodes=16, eval_every=0, eval_prompts=4, sample_prompts=2, max_new_tokens=6,
+                num_train_prompts=22, num_validation_prompts=11, num_test_prompts=11, progress=False,
+                threads=1, learning_rate=1e-3, temperature=0.9)
+    return PPOConfig(**{**base, **overrides})
+
+
+def rollout_for(cfg, roles, tokenizer, n=8):
+    items = tasks.build_splits(0, 22, 11, 11)["train"][:n]
+    prompts = data.encode_prompts(tokenizer, [i.prompt for i in items])
+    settings = GenerationSettings(cfg.response_length, True, cfg.temperature)
+    return collect_rollout(roles, prompts, pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id,
+                           settings=settings, generator=torch.Generator().manual_seed(0)), items
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_first_minibatch_has_ratio_exactly_one_and_kl_exactly_zero(policy_dir, mode):
+    cfg = tiny_cfg(policy_dir, **MODES[mode])
+    roles, tokenizer = build_roles(cfg)
+    rollout, _ = rollout_for(cfg, roles, tokenizer)
+    mask = rollout.response_mask
+    assert torch.equal(kl_k1(rollout.logprobs, rollout.ref_logprobs, mask), torch.zeros_like(rollout.logprobs))
+    roles.train(True)
+    logits, _ = roles.logits_and_values(rollout.query_ids, rollout.query_mask, rollout.response_ids, mask)
+    logprobs = selective_log_softmax(logits, rollout.response_ids, cfg.temperature)
+    ratio = torch.exp(logprobs - rollout.logprobs)[mask]
+    assert torch.equal(ratio, torch.ones_like(ratio))
+
+
+def test_lora_reference_equals_a_separately_loaded_base_after_training(policy_dir):
+    cfg = tiny_cfg(policy_dir, lora_r=4)
+    roles, tokenizer = build_roles(cfg)
+    rollout, items = rollout_for(cfg, roles, tokenizer)
+    optimizer = torch.optim.AdamW(roles.trainable_parameters(), lr=1e-2)
+    for _ in range(3):  # move the adapter away from its zero init
+        logits, values = roles.logits_and_values(rollout.query_ids, rollout.query_mask, rollout.response_ids,
+                                                 rollout.response_mask)
+        (logits.logsumexp(-1).mean() + values.mean()).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    args = (rollout.query_ids, rollout.query_mask, rollout.response_ids, rollout.response_mask)
+    reference = roles.reference_logprobs(*args, temperature=0.9)
+    base = models.load_causal_lm(policy_dir)
+    expected = response_logprobs(base, *args, temperature=0.9)
+    mask = rollout.response_mask
+    assert torch.allclose(reference[mask], expected[mask], atol=1e-6)
+    with torch.no_grad():
+        policy_now = selective_log_softmax(roles.policy_forward(*args)[0], rollout.response_ids, 0.9)
+    assert not torch.allclose(policy_now[mask], expected[mask], atol=1e-4)  # the adapter did change the policy
+
+
+def test_post_eos_tokens_carry_no_reward_kl_or_loss(policy_dir):
+    cfg = tiny_cfg(policy_dir)
+    roles, tokenizer = build_roles(cfg)
+    rollout, _ = rollout_for(cfg, roles, tokenizer)
+    mask = rollout.response_mask.clone()
+    mask[:, 3:] = False  # pretend every response ended at its 3rd token
+    scores = torch.arange(8, dtype=torch.float32)
+    kl = kl_k1(rollout.logprobs + 0.5, rollout.ref_logprobs, mask)
+    rewards, non_score = ppo.token_rewards(scores, kl, mask, kl_coef=0.1)
+    assert (kl[~mask] == 0).all() and (rewards[~mask] == 0).all()
+    lengths = mask.sum(1)
+    assert torch.allclose(rewards[torch.arange(8), lengths - 1], scores - 0.1 * 0.5 * (lengths > 0))
+    advantages, returns = torch.randn(8, rollout.response_ids.shape[1]), torch.randn(8, rollout.response_ids.shape[1])
+    clean = dataclasses.replace(rollout, response_mask=mask)
+    garbage = dataclasses.replace(
+        clean, logprobs=torch.where(mask, rollout.logprobs, torch.tensor(float("nan"))),
+        values=torch.where(mask, rollout.values, torch.tensor(1e9)))
+    idx = torch.arange(8)
+    loss_a, _ = ppo.minibatch_losses(roles, clean, idx, advantages, returns, cfg, 1.0)
+    noisy_adv = torch.where(mask, advantages, torch.tensor(float("inf")))
+    loss_b, _ = ppo.minibatch_losses(roles, garbage, idx, noisy_adv, returns, cfg, 1.0)
+    assert torch.isfinite(loss_a) and torch.equal(loss_a, loss_b)
+
+
+@pytest.mark.parametrize("mode", ["full", "lora", "lora-value-adapter"])
+def test_every_trainable_parameter_changes_and_frozen_ones_do_not(policy_dir, mode):
+    cfg = tiny_cfg(policy_dir, **MODES[mode])
+    roles, tokenizer = build_roles(cfg)
+    trainable = {id(p) for p in roles.trainable_parameters()}
+    named = [(f"{i}.{n}", p) for i, m in enumerate(roles.modules()) for n, p in m.named_parameters()]
+    before = {name: p.detach().clone() for name, p in named}
+    rollout, items = rollout_for(cfg, roles, tokenizer)
+    optimizer = torch.optim.AdamW(roles.trainable_parameters(), lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    advantages = torch.randn(rollout.response_ids.shape).masked_fill(~rollout.response_mask, 0)
+    returns = torch.randn(rollout.response_ids.shape).masked_fill(~rollout.response_mask, 0)
+    ppo.ppo_epochs(roles, optimizer, scheduler, rollout, advantages, returns, cfg, torch.Generator().manual_seed(0))
+    unchanged = [n for n, p in named if id(p) in trainable and torch.equal(p, before[n])]
+    moved_frozen = [n for n, p in named if id(p) not in trainable and not torch.equal(p, before[n])]
+    assert not unchanged, unchanged
+    assert not moved_frozen, moved_frozen
+    if mode.startswith("lora"):
+        assert len(trainable) < len(named)  # the base stays frozen
+
+
+def test_gradient_accumulation_matches_one_big_minibatch(policy_dir):
+    results = []
+    for accumulation in (1, 8):
+        cfg = tiny_cfg(policy_dir, num_mini_batches=1, num_ppo_epochs=1, gradient_accumulation_steps=accumulation,
+                       max_grad_norm=0.0)
+        torch.manual_seed(0)  # same value-head init in both runs
+        roles, tokenizer = build_roles(cfg)
+        rollout, _ = rollout_for(cfg, roles, tokenizer)
+        optimizer = torch.optim.SGD(roles.trainable_parameters(), lr=0.5)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+        gen = torch.Generator().manual_seed(1)
+        advantages = torch.randn(rollout.response_ids.shape, generator=gen).masked_fill(~rollout.response_mask, 0)
+        returns = torch.randn(rollout.response_ids.shape, generator=gen).masked_fill(~rollout.response_mask, 0)
+        ppo.ppo_epochs(roles, optimizer, scheduler, rollout, advantages, returns, cfg, torch.Generator().manual_seed(0))
+        results.append([p.detach().clone() for p in roles.trainable_parameters()])
+    for one, eight in zip(*results):
+        assert torch.allclose(one, eight, atol=1e-6, rtol=1e-4)
+
+
+def digit_share(prompts, responses, items):
+    """An easy reward: the share of characters that are digits."""
+    return [sum(c.isdigit() for c in r) / max(len(r), 1) for r in responses]
+
+
+def test_short_run_on_an_easy_reward_clearly_raises_it(policy_dir, tmp_path):
+    cfg = tiny_cfg(policy_dir, total_episodes=16 * 25, batch_size=16, num_mini_batches=1, num_ppo_epochs=2,
+                   learning_rate=2e-2, kl_coef=0.0, missing_eos_penalty=0.0, response_length=6,
+                   output_dir=str(tmp_path / "run"))
+    result = ppo.train(cfg, reward_fn=digit_share)
+    rows = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+    scores = [r["objective/scores"] for r in rows if "objective/scores" in r]
+    assert len(scores) == 25
+    start, end = sum(scores[:3]) / 3, sum(scores[-3:]) / 3
+    assert end > start + 0.5, (start, end)  # from ~0.05 (random text) to mostly digits
+    assert (result.model_dir / "model.safetensors").is_file()
