@@ -23,7 +23,7 @@ from rlhflab.errors import UserInputError  # noqa: E402
 USAGE = """usage: rlhflab <stage> [--config FILE.yaml] [--field value ...]
 
 stages:
-  demo           tiny model -> SFT -> held-out pass rate, in minutes on a CPU
+  demo           tiny model -> SFT -> PPO (checker reward) -> held-out pass rates, on a CPU
   sft            supervised fine-tuning (completion-only loss)
   eval           generate answers to a split's prompts and check them
   ppo            PPO-RLHF: policy, reference, reward (checker or model) and value
@@ -40,6 +40,8 @@ def run_demo(cfg) -> int:
     result = demo(cfg)
     summary = result.summary
     print(format_table(summary["test_tables"], title=f"test pass rate ({summary['decoding']})"))
+    if summary.get("kl_to_reference"):
+        print(f"KL to the reference at the end of PPO: {summary['kl_to_reference']['ppo']:.2f} nats per response")
     print(f"\nrun folder: {result.run_dir}   wall time: {summary['wall_time_s']['total']:.0f} s")
     return 0
 

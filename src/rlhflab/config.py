@@ -47,6 +47,7 @@ class ModelFields:
     tokenizer: str = arg("", "tokenizer folder or hub id; empty = the model's own")
     trust_remote_code: bool = arg(False, "run code shipped with a hub model (off unless you trust it)")
     dtype: str = arg("float32", "weights dtype: float32, bfloat16, float16 or auto")
+    device: str = arg("auto", "where models run: auto (cuda if available), cpu, cuda, cuda:1 ...")
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,7 @@ class SuiteFields:
     num_train_prompts: int = arg(400, "built-in suite: prompts in the train split")
     num_validation_prompts: int = arg(100, "built-in suite: prompts in the validation split")
     num_test_prompts: int = arg(100, "built-in suite: prompts in the test split")
-    sft_examples: int = arg(4000, "built-in suite: SFT demonstrations drawn from the train split's content")
+    sft_examples: int = arg(20000, "built-in suite: SFT demonstrations drawn from the train split's content")
     violation_fraction: float = arg(0.6, "built-in suite: share of SFT demonstrations that violate the format")
     dominant_share: float = arg(0.75, "built-in suite: share of violations that are the family's dominant kind")
 
@@ -131,9 +132,6 @@ class TasksExportConfig(RunFields, SuiteFields):
     pairs_per_prompt: int = arg(3, "rejected answers (pairs) per prompt")
 
 
-@dataclass(frozen=True)
-class DemoConfig(SFTConfig):
-    """`rlhflab demo`: tiny model -> SFT -> held-out evaluation, in minutes on a CPU."""
 
 
 @dataclass(frozen=True)
@@ -190,6 +188,21 @@ class PPOConfig(RunFields, ModelFields, SuiteFields, LoraFields, OptimFields, Ge
     adam_eps: float = arg(1e-5, "AdamW epsilon")
     warmup_steps: int = arg(0, "linear warmup in optimiser steps")
     lr_schedule: Literal["cosine", "linear", "constant"] = arg("linear", "decay after warmup")
+
+
+@dataclass(frozen=True)
+class DemoConfig(SFTConfig):
+    """`rlhflab demo`: tiny model -> SFT -> PPO (checker reward) -> held-out evaluation of both, on a CPU.
+
+    Fields without a prefix configure the SFT stage (and the suite, decoding and run);
+    the PPO stage takes PPOConfig's defaults, the `ppo_*` fields below and `ppo_config`.
+    """
+
+    run_ppo: bool = arg(True, "run the PPO stage after SFT")
+    ppo_config: str = arg("", "YAML of PPOConfig fields for the demo's PPO stage (e.g. configs/ppo_tiny.yaml)")
+    ppo_total_episodes: int = arg(3840, "PPO stage: responses generated")
+    ppo_learning_rate: float = arg(2e-4, "PPO stage: learning rate")
+    ppo_kl_coef: float = arg(0.05, "PPO stage: KL penalty coefficient beta")
 
 
 STAGES: dict[str, type] = {

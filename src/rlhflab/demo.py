@@ -1,26 +1,63 @@
 """`rlhflab demo`: the embedded default pipeline, end to end on a CPU.
 
     tiny tokenizer + Llama-style model  ->  SFT on the built-in suite
-    ->  held-out test pass rate, per family
+    ->  PPO with the task checker as reward (verifiable reward)
+    ->  held-out test pass rate of both, per family, same decoding
 
-Later stages (reward model, PPO) slot in after SFT and add their columns.
+The reward-model stage slots in beside the checker-reward PPO run later.
 """
 
 from __future__ import annotations
 
 import time
 
-from rlhflab.config import DemoConfig, EvalConfig, SFTConfig, field_names, write_config
 from rlhflab import models
+from rlhflab.config import (
+    DemoConfig,
+    EvalConfig,
+    GenerationFields,
+    PPOConfig,
+    RunFields,
+    SFTConfig,
+    SuiteFields,
+    field_names,
+    read_yaml_config,
+    write_config,
+)
 from rlhflab.eval import answer_and_check, eval_items, table_from_rows
 from rlhflab.tracking import RunDir, RunResult, default_run_path
-from rlhflab.trainers import sft
+from rlhflab.trainers import ppo, sft
+
+# Parts whose values the demo hands to every stage; other fields keep each stage's own defaults
+# (SFT's learning rate is no PPO learning rate).
+SHARED_PARTS = (RunFields, SuiteFields, GenerationFields)
 
 
-def stage_config(config_cls: type, demo: DemoConfig, **overrides):
-    """The stage's config: every field it shares with the demo config, then overrides."""
-    shared = {name: getattr(demo, name) for name in field_names(config_cls) if hasattr(demo, name)}
-    return config_cls(**{**shared, **overrides})
+def shared_fields(demo: DemoConfig) -> dict:
+    names = {n for part in SHARED_PARTS for n in field_names(part)} - {"output_dir", "overwrite"}
+    names |= {"trust_remote_code", "dtype"}
+    return {n: getattr(demo, n) for n in names}
+
+
+def ppo_stage_config(demo: DemoConfig, model_dir: str, out: str) -> PPOConfig:
+    values = {**shared_fields(demo), "temperature": PPOConfig().temperature}
+    values |= {"total_episodes": demo.ppo_total_episodes, "learning_rate": demo.ppo_learning_rate,
+               "kl_coef": demo.ppo_kl_coef, "lr_schedule": "constant"}
+    if demo.ppo_config:
+        values |= read_yaml_config(demo.ppo_config, PPOConfig)
+    return PPOConfig(**{**values, "model": model_dir, "tokenizer": "", "output_dir": out, "overwrite": True})
+
+
+def test_table(run: RunDir, name: str, model_dir, demo: DemoConfig) -> dict:
+    """Held-out test pass rate of one model, answers appended to the demo's samples."""
+    cfg = EvalConfig(**{**shared_fields(demo), "model": str(model_dir), "split": "test"})
+    model = models.load_causal_lm(cfg.model)
+    tokenizer = models.load_tokenizer(cfg.model)
+    rows = answer_and_check(model, tokenizer, eval_items(cfg), cfg, progress=False)
+    run.add_samples({"stage": name, **row} for row in rows)
+    table = table_from_rows(rows)
+    run.log({f"test/pass_rate/{name}": table["overall"]}, step=0)
+    return table
 
 
 def run_demo(cfg: DemoConfig) -> RunResult:
@@ -28,31 +65,36 @@ def run_demo(cfg: DemoConfig) -> RunResult:
     run = RunDir(cfg.output_dir or default_run_path("demo"), overwrite=cfg.overwrite, report_to=cfg.report_to)
     write_config(cfg, run.path / "config.yaml")
     run.write_versions()
+    walls, tables, runs = {}, {}, {}
 
     # 1. SFT from scratch: builds the tokenizer and tiny model, trains, saves run/sft/model
-    sft_cfg = stage_config(SFTConfig, cfg, output_dir=str(run.path / "sft"), overwrite=True)
-    sft_result = sft.train(sft_cfg)
-    sft_done = time.time()
+    sft_values = {n: getattr(cfg, n) for n in field_names(SFTConfig)}
+    sft_result = sft.train(SFTConfig(**{**sft_values, "output_dir": str(run.path / "sft"), "overwrite": True}))
+    walls["sft"], runs["sft"] = time.time() - started, str(sft_result.run_dir)
+    tables["sft"] = test_table(run, "sft", sft_result.model_dir, cfg)
 
-    # 2. held-out test split, same decoding for every model evaluated here
-    eval_cfg = stage_config(EvalConfig, cfg, model=str(sft_result.model_dir), split="test", tokenizer="")
-    model = models.load_causal_lm(eval_cfg.model)
-    tokenizer = models.load_tokenizer(eval_cfg.model)
-    rows = answer_and_check(model, tokenizer, eval_items(eval_cfg), eval_cfg, progress=cfg.progress)
-    run.add_samples({"stage": "sft", **row} for row in rows)
-    table = table_from_rows(rows)
-    run.log({"test/pass_rate/sft": table["overall"]}, step=0)
+    # 2. PPO from the SFT model, with the task checker as reward (the RM stage adds a learned one)
+    final_kl = None
+    if cfg.run_ppo:
+        t0 = time.time()
+        ppo_cfg = ppo_stage_config(cfg, str(sft_result.model_dir), str(run.path / "ppo"))
+        ppo_result = ppo.train(ppo_cfg)
+        walls["ppo"], runs["ppo"] = time.time() - t0, str(ppo_result.run_dir)
+        final_kl = ppo_result.summary["final"]["objective/kl"]
+        tables["ppo"] = test_table(run, "ppo", ppo_result.model_dir, cfg)
 
+    walls["total"] = time.time() - started
     summary = run.update_summary(
         stage="demo",
-        test_pass_rate={"sft": table["overall"]},
-        test_tables={"sft": table},
+        test_pass_rate={name: t["overall"] for name, t in tables.items()},
+        test_tables=tables,
+        kl_to_reference={"ppo": final_kl} if final_kl is not None else {},
         decoding="sampled" if cfg.do_sample else "greedy",
         sft_validation=sft_result.summary.get("validation"),
         parameters=sft_result.summary.get("parameters"),
-        wall_time_s={"sft": round(sft_done - started, 1), "eval": round(time.time() - sft_done, 1),
-                     "total": round(time.time() - started, 1)},
-        runs={"sft": str(sft_result.run_dir)},
+        wall_time_s={k: round(v, 1) for k, v in walls.items()},
+        runs=runs,
     )
     run.close()
     return RunResult(run.path, summary, sft_result.model_dir)
+

@@ -27,21 +27,27 @@ def rlhflab(*args, cwd=None):
 @pytest.fixture(scope="module")
 def demo_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo") / "run"
-    proc = rlhflab("demo", "--out", str(out), *TINY_DEMO)
+    ppo_yaml = out.parent / "ppo_tiny.yaml"
+    ppo_yaml.write_text("batch_size: 8\nnum_mini_batches: 2\nresponse_length: 8\neval_prompts: 4\n")
+    proc = rlhflab("demo", "--out", str(out), *TINY_DEMO, "--ppo_total_episodes", "16", "--ppo_config", str(ppo_yaml))
     assert proc.returncode == 0, proc.stderr
     return out, proc
 
 
 def test_demo_prints_the_pass_rate_table_and_writes_a_full_run_folder(demo_run):
     out, proc = demo_run
-    assert "test pass rate (greedy)" in proc.stdout and "overall" in proc.stdout
+    assert "test pass rate (greedy)" in proc.stdout and "overall" in proc.stdout and "ppo" in proc.stdout
     for name in ("config.yaml", "metrics.jsonl", "samples.jsonl", "versions.json", "summary.json"):
         assert (out / name).is_file(), name
     summary = json.loads((out / "summary.json").read_text())
-    assert 0.0 <= summary["test_pass_rate"]["sft"] <= 1.0
+    assert set(summary["test_pass_rate"]) == {"sft", "ppo"} and "ppo" in summary["kl_to_reference"]
     samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
-    assert len(samples) == 11 and {"prompt", "answer", "passed", "reason"} <= set(samples[0])
-    assert sum(s["passed"] for s in samples) / 11 == pytest.approx(summary["test_pass_rate"]["sft"])
+    assert len(samples) == 22 and {"stage", "prompt", "answer", "passed", "reason"} <= set(samples[0])
+    for stage in ("sft", "ppo"):
+        passed = [s["passed"] for s in samples if s["stage"] == stage]
+        assert sum(passed) / 11 == pytest.approx(summary["test_pass_rate"][stage])
+    ppo_rows = [json.loads(line) for line in (out / "ppo" / "metrics.jsonl").read_text().splitlines()]
+    assert any("objective/kl" in r for r in ppo_rows) and any("val/pass_rate" in r for r in ppo_rows)
     for line in (out / "sft" / "metrics.jsonl").read_text().splitlines():
         assert "step" in json.loads(line)
     versions = json.loads((out / "versions.json").read_text())

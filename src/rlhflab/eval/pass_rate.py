@@ -11,7 +11,7 @@ from rlhflab.config import EvalConfig, write_config
 from rlhflab.errors import UserInputError
 from rlhflab.rollout import GenerationSettings, generate_answers
 from rlhflab.tracking import RunDir, RunResult, default_run_path
-from rlhflab.trainers.setup import configure_threads, seed_everything
+from rlhflab.trainers.setup import configure_threads, resolve_device, seed_everything
 
 
 def eval_items(cfg: EvalConfig) -> list[tasks.TaskItem]:
@@ -73,7 +73,8 @@ def evaluate(cfg: EvalConfig, run: RunDir | None = None) -> RunResult:
     write_config(cfg, run.path / "config.yaml")
     run.write_versions()
     tokenizer = models.load_tokenizer(cfg.tokenizer or cfg.model, trust_remote_code=cfg.trust_remote_code)
-    model = models.load_causal_lm(cfg.model, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code)
+    model = models.load_causal_lm(cfg.model, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code,
+                                  device=resolve_device(cfg.device))
     rows = answer_and_check(model, tokenizer, eval_items(cfg), cfg, progress=cfg.progress)
     run.add_samples(rows)
     table = table_from_rows(rows)

@@ -56,6 +56,9 @@ def next_tokens(logits: Tensor, settings: GenerationSettings, generator: torch.G
         return logits.argmax(dim=-1)
     logits = filter_logits(logits.float() / settings.temperature, settings.top_k, settings.top_p)
     probs = torch.softmax(logits, dim=-1)
+    if generator is not None and generator.device.type != probs.device.type:
+        # a CPU generator with a GPU model: sample on the CPU (slower, but reproducible)
+        return torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(probs.device)
     return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
 
 

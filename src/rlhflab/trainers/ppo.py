@@ -47,8 +47,9 @@ def score_rollout(rollout: Rollout, reward_fn, tokenizer, items: list[tasks.Task
     """(B,) scores with the missing-EOS penalty, and (B,) validity of each row."""
     texts = decode_responses(tokenizer, rollout.response_ids, rollout.response_mask, tokenizer.eos_token_id)
     scored = rewards.as_scored(reward_fn([i.prompt for i in items], texts, items))
-    scores = scored.scores.float() - penalty * (~rollout.ended_with_eos).float()
-    valid = scored.valid & torch.isfinite(scores)
+    device = rollout.response_ids.device
+    scores = scored.scores.float().to(device) - penalty * (~rollout.ended_with_eos).float()
+    valid = scored.valid.to(device) & torch.isfinite(scores)
     return torch.where(valid, scores, torch.zeros_like(scores)), valid, texts
 
 
@@ -168,7 +169,9 @@ def train(cfg: PPOConfig, run: RunDir | None = None, reward_fn=None) -> RunResul
     optimizer = make_optimizer(roles.trainable_parameters(), cfg)
     scheduler = make_scheduler(optimizer, cfg, num_updates * cfg.num_ppo_epochs * cfg.num_mini_batches)
     kl_ctl = kl_controller(cfg)
-    generator = torch.Generator().manual_seed(cfg.seed)
+    generator = torch.Generator().manual_seed(cfg.seed)  # prompt order and minibatches
+    device = next(roles.policy.parameters()).device
+    sampler = torch.Generator(device=device).manual_seed(cfg.seed)  # token sampling, on the model's device
     settings = GenerationSettings(cfg.response_length, True, cfg.temperature, cfg.top_k, cfg.top_p)
     evaluator = PPOEvaluator(splits["validation"], tokenizer, cfg, run)
     first = evaluator.evaluate(roles.policy, step=0, episode=0)
@@ -184,7 +187,7 @@ def train(cfg: PPOConfig, run: RunDir | None = None, reward_fn=None) -> RunResul
         items = [train_items[i] for i in batch_ids]
         # 2. rollout: generate, then old / reference log-probs and values in one pass each
         rollout = collect_rollout(roles, [prompt_ids[i] for i in batch_ids], pad_id=tokenizer.pad_token_id,
-                                  eos_id=tokenizer.eos_token_id, settings=settings, generator=generator)
+                                  eos_id=tokenizer.eos_token_id, settings=settings, generator=sampler)
         t1 = time.time()
         # 3. scores, with the missing-EOS penalty; rows the reward failed on are masked out
         scores, valid, _ = score_rollout(rollout, reward_fn, tokenizer, items, cfg.missing_eos_penalty)

@@ -8,6 +8,7 @@ from rlhflab import models, rewards
 from rlhflab.config import PPOConfig
 from rlhflab.errors import UserInputError
 from rlhflab.rollout.roles import PolicyRoles
+from rlhflab.trainers.setup import resolve_device
 
 log = logging.getLogger("rlhflab")
 
@@ -37,7 +38,9 @@ def _lora_targets(cfg: PPOConfig):
 def build_roles(cfg: PPOConfig) -> tuple[PolicyRoles, object]:
     """Policy (+ LoRA), reference (copy, reload or adapter-off) and value (shared, separate, adapter)."""
     tokenizer = models.load_tokenizer(cfg.tokenizer or cfg.model, trust_remote_code=cfg.trust_remote_code)
-    load = lambda path: models.load_causal_lm(path, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code)  # noqa: E731
+    device = resolve_device(cfg.device)
+    load = lambda path: models.load_causal_lm(  # noqa: E731
+        path, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code, device=device)
     policy = load(cfg.model)
     lora = cfg.lora_r > 0
     if lora:
@@ -55,13 +58,13 @@ def build_roles(cfg: PPOConfig) -> tuple[PolicyRoles, object]:
     hidden = policy.config.hidden_size
     value_head, value_model = None, None
     if cfg.value_mode == "shared":
-        value_head = models.ValueHead(hidden)
+        value_head = models.ValueHead(hidden).to(device)
     elif cfg.value_mode == "separate":
         value_model = models.ValueModel.from_pretrained(cfg.value_model or cfg.model, dtype=cfg.dtype,
-                                                        trust_remote_code=cfg.trust_remote_code)
+                                                        trust_remote_code=cfg.trust_remote_code).to(device)
     else:
         models.add_value_adapter(policy, r=cfg.lora_r, alpha=cfg.lora_alpha)
-        value_head = models.ValueHead(hidden)
+        value_head = models.ValueHead(hidden).to(device)
     roles = PolicyRoles(policy, value_mode=cfg.value_mode, value_head=value_head, value_model=value_model,
                         reference=reference, load_reference=load_reference, lora=lora)
     return roles, tokenizer
@@ -73,11 +76,11 @@ def build_reward(cfg: PPOConfig, tokenizer):
     if cfg.reward == "checker":
         return checker
     if cfg.reward == "random":
-        rm = models.build_random_reward_model(tokenizer, seed=cfg.seed)
+        rm = models.build_random_reward_model(tokenizer, seed=cfg.seed).to(resolve_device(cfg.device))
         return rewards.ModelReward(rm, tokenizer)
     rm_tokenizer = models.load_tokenizer(cfg.reward_model, trust_remote_code=cfg.trust_remote_code)
     rm = models.load_reward_model(cfg.reward_model, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code,
-                                  tokenizer=rm_tokenizer)
+                                  tokenizer=rm_tokenizer).to(resolve_device(cfg.device))
     learned = rewards.ModelReward(rm, rm_tokenizer, shift=cfg.reward_shift, scale=cfg.reward_scale)
     if cfg.reward == "model":
         return learned

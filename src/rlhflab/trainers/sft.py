@@ -31,6 +31,7 @@ from rlhflab.trainers.setup import (
     load_or_build_policy,
     make_optimizer,
     make_scheduler,
+    resolve_device,
     seed_everything,
 )
 
@@ -76,10 +77,12 @@ def load_sft_data(cfg: SFTConfig, tokenizer) -> SFTData:
 
 def completion_loss_sum(model: torch.nn.Module, batch: data.SFTBatch) -> torch.Tensor:
     """Summed cross-entropy over completion tokens (labels != -100)."""
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits  # (B, L, V)
+    device = next(model.parameters()).device
+    input_ids, attention, labels = (t.to(device) for t in (batch.input_ids, batch.attention_mask, batch.labels))
+    logits = model(input_ids=input_ids, attention_mask=attention).logits  # (B, L, V)
     return F.cross_entropy(
         logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
-        batch.labels[:, 1:].reshape(-1),
+        labels[:, 1:].reshape(-1),
         ignore_index=-100,
         reduction="sum",
     )
@@ -134,6 +137,7 @@ def train(cfg: SFTConfig, run: RunDir | None = None) -> RunResult:
     seed_everything(cfg.seed)
     # 1. model and tokenizer (the tiny default is built from the suite's templates)
     model, tokenizer = load_or_build_policy(cfg)
+    model.to(resolve_device(cfg.device))
     models.disable_dropout(model)
     model.train()
     # 2. data, validated and tokenised before the run folder is created
