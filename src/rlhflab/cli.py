@@ -1,6 +1,6 @@
 """`rlhflab <stage> --config file.yaml --field value`.
 
-Stages: demo, sft, eval, tasks export. `rlhflab <stage> --help` lists every
+Stages: demo, sft, eval, ppo, tasks export. `rlhflab <stage> --help` lists every
 field with its default and help.
 """
 
@@ -132,6 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserInputError as err:
         print(f"rlhflab: error: {err}", file=sys.stderr)
         return 2
+    except FloatingPointError as err:  # a non-finite loss, gradient or reward stopped the run
+        print(f"rlhflab: stopped: {err}", file=sys.stderr)
+        return 3
 
 
 if __name__ == "__main__":

@@ -236,6 +236,11 @@ def _coerce(name: str, value: Any, kind: Any, where: str) -> Any:
         if value not in typing.get_args(kind):
             raise UserInputError(f"'{name}' must be one of {list(typing.get_args(kind))}, got {value!r}", where)
         return value
+    if kind is float and isinstance(value, str):
+        try:  # PyYAML reads 1e-4 (no dot) as a string
+            value = float(value)
+        except ValueError:
+            pass
     expected = {bool: (bool,), int: (int,), float: (int, float), str: (str,)}[kind]
     if isinstance(value, bool) and kind is not bool or not isinstance(value, expected):
         raise UserInputError(

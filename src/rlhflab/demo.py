@@ -27,6 +27,7 @@ from rlhflab.config import (
 from rlhflab.eval import answer_and_check, eval_items, table_from_rows
 from rlhflab.tracking import RunDir, RunResult, default_run_path
 from rlhflab.trainers import ppo, sft
+from rlhflab.trainers.setup import resolve_device
 
 # Parts whose values the demo hands to every stage; other fields keep each stage's own defaults
 # (SFT's learning rate is no PPO learning rate).
@@ -35,7 +36,7 @@ SHARED_PARTS = (RunFields, SuiteFields, GenerationFields)
 
 def shared_fields(demo: DemoConfig) -> dict:
     names = {n for part in SHARED_PARTS for n in field_names(part)} - {"output_dir", "overwrite"}
-    names |= {"trust_remote_code", "dtype"}
+    names |= {"trust_remote_code", "dtype", "device"}
     return {n: getattr(demo, n) for n in names}
 
 
@@ -51,8 +52,9 @@ def ppo_stage_config(demo: DemoConfig, model_dir: str, out: str) -> PPOConfig:
 def test_table(run: RunDir, name: str, model_dir, demo: DemoConfig) -> dict:
     """Held-out test pass rate of one model, answers appended to the demo's samples."""
     cfg = EvalConfig(**{**shared_fields(demo), "model": str(model_dir), "split": "test"})
-    model = models.load_causal_lm(cfg.model)
-    tokenizer = models.load_tokenizer(cfg.model)
+    model = models.load_causal_lm(cfg.model, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code,
+                                  device=resolve_device(cfg.device))
+    tokenizer = models.load_tokenizer(cfg.model, trust_remote_code=cfg.trust_remote_code)
     rows = answer_and_check(model, tokenizer, eval_items(cfg), cfg, progress=False)
     run.add_samples({"stage": name, **row} for row in rows)
     table = table_from_rows(rows)

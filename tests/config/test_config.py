@@ -85,3 +85,16 @@ def test_help_lists_every_field_with_its_help(stage):
         assert f"--{field.name}" in text
         assert field.metadata.get("help"), f"{stage}.{field.name} has no help"
     assert "(default:" in text
+
+
+def test_yaml_scientific_notation_without_dot_is_a_float(tmp_path):
+    file = tmp_path / "sft.yaml"
+    file.write_text("learning_rate: 1e-4\n")  # PyYAML reads this as the string '1e-4'
+    assert parse_config(SFTConfig, ["--config", str(file)], prog="rlhflab sft").learning_rate == 1e-4
+
+
+def test_full_finetuning_in_bf16_is_refused():
+    from rlhflab.trainers import sft
+
+    with pytest.raises(UserInputError, match="lora_r"):
+        sft.train(SFTConfig(dtype="bfloat16", max_steps=1))

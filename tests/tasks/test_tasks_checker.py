@@ -61,13 +61,13 @@ def test_every_violation_is_diagnosed_as_its_kind(family, split, seed):
 
 @settings(max_examples=40, deadline=None)
 @given(split=st.sampled_from(SPLITS), seed=SEEDS)
-def test_arithmetic_stays_learnable(split, seed):
+def test_sums_are_carry_free_and_counts_match_their_words(split, seed):
     total = _item("sum_result", split, seed)
     a, b = map(int, total.content)
     assert carry_free(a, b) and a != b
     assert total.reference == f"RESULT: {a + b}"
-    nxt = _item("number_only", split, seed)
-    assert int(nxt.content[0]) % 10 != 9
+    count = _item("number_only", split, seed)
+    assert count.reference == str(len(count.content)) and 2 <= len(count.content) <= 6
 
 
 def test_carry_free():
@@ -82,7 +82,7 @@ COMMA2 = TaskItem("comma_list", "List these items ...: red fox\n", "red,fox", ("
 LINES = TaskItem("keep_order", "Write these items ...: red fox cup\n", "red\nfox\ncup", ("red", "fox", "cup"))
 REPEAT = TaskItem("repeat_word", "Repeat the word tiger 3 times ...\n", "tiger tiger tiger", ("tiger",))
 YES = TaskItem("yes_no", "Is 31 greater than 24? Answer yes or no.\n", "yes", ("31", "24"))
-NEXT = TaskItem("number_only", "What number comes after 41? ...\n", "42", ("41",))
+NEXT = TaskItem("number_only", "How many words are in this list: red fox? ...\n", "2", ("red", "fox"))
 FIRST = TaskItem("first_item", "Reply with only the first item: red, fox, cup\n", "red", ("red", "fox", "cup"))
 LOWER = TaskItem("lowercase", "Write this word in lowercase: TIGER\n", "tiger", ("tiger",))
 
@@ -115,8 +115,8 @@ LOWER = TaskItem("lowercase", "Write this word in lowercase: TIGER\n", "tiger", 
         (YES, "Yes", "wrong_case", "wrong letter case: expected 'yes'"),
         (YES, "no", "wrong_content", "does not match the reference 'yes'"),
         (YES, "yes\nyes\nyes", "missing_eos", "run-on answer: repeats itself instead of ending"),
-        (NEXT, "The number is 42.", "extra_chatter", "correct answer wrapped in extra words"),
-        (NEXT, "420", "wrong_content", "does not match the reference '42'"),
+        (NEXT, "There are 2 words.", "extra_chatter", "correct answer wrapped in extra words"),
+        (NEXT, "20", "wrong_content", "does not match the reference '2'"),
         (FIRST, "red, fox, cup", "wrong_count", "3 items instead of 1"),
         (FIRST, "fox", "wrong_content", "does not match the reference 'red'"),
         (LOWER, "TIGER", "wrong_case", "wrong letter case: expected 'tiger'"),

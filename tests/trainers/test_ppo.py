@@ -165,3 +165,31 @@ def test_short_run_on_an_easy_reward_clearly_raises_it(policy_dir, tmp_path):
     start, end = sum(scores[:3]) / 3, sum(scores[-3:]) / 3
     assert end > start + 0.5, (start, end)  # from ~0.05 (random text) to mostly digits
     assert (result.model_dir / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("mode", ["full", "lora-value-adapter"])
+def test_training_forward_does_not_depend_on_left_padding_or_batch_company(policy_dir, mode):
+    cfg = tiny_cfg(policy_dir, **MODES[mode])
+    roles, tokenizer = build_roles(cfg)
+    rollout, _ = rollout_for(cfg, roles, tokenizer)
+    args = (rollout.query_ids, rollout.query_mask, rollout.response_ids, rollout.response_mask)
+    with torch.no_grad():
+        logits, values = roles.logits_and_values(*args)
+        batch_lp = selective_log_softmax(logits, rollout.response_ids, 0.9)
+        for row in range(rollout.batch_size):
+            keep = rollout.query_mask[row]
+            alone = (rollout.query_ids[row, keep][None], keep[keep][None],
+                     rollout.response_ids[row][None], rollout.response_mask[row][None])
+            row_logits, row_values = roles.logits_and_values(*alone)
+            mask = rollout.response_mask[row]
+            lp = selective_log_softmax(row_logits, rollout.response_ids[row][None], 0.9)[0]
+            assert torch.allclose(lp[mask], batch_lp[row][mask], atol=1e-5)
+            assert torch.allclose(row_values[0][mask], values[row][mask], atol=1e-5)
+
+
+def test_a_reward_with_the_wrong_number_of_scores_is_a_clear_error(policy_dir, tmp_path):
+    from rlhflab.errors import UserInputError
+
+    cfg = tiny_cfg(policy_dir, output_dir=str(tmp_path / "run"))
+    with pytest.raises(UserInputError, match="1 scores for 8 responses|\\(1,\\) scores for 8 responses"):
+        ppo.train(cfg, reward_fn=lambda prompts, responses, items: [1.0])

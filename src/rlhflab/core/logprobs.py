@@ -13,10 +13,11 @@ from torch import Tensor
 def selective_log_softmax(logits: Tensor, tokens: Tensor, temperature: float = 1.0) -> Tensor:
     """log softmax(logits / temperature) picked at `tokens`.
 
-    logits: (B, T, V); tokens: (B, T) -> (B, T). Computed row by row in the
-    logits' dtype via logsumexp, which avoids materialising a second (B, T, V)
-    tensor of log-probs.
+    logits: (B, T, V); tokens: (B, T) -> (B, T), float32 whatever the logits' dtype:
+    in bf16 a log-prob near -4 moves in steps of ~0.03, which would put noise of the
+    order of the clip range into ratios and KL. logsumexp avoids a (B, T, V) log-softmax.
     """
+    logits = logits.float()
     if temperature != 1.0:
         logits = logits / temperature
     picked = torch.gather(logits, dim=-1, index=tokens.unsqueeze(-1)).squeeze(-1)
@@ -24,7 +25,8 @@ def selective_log_softmax(logits: Tensor, tokens: Tensor, temperature: float = 1
 
 
 def entropy_from_logits(logits: Tensor, temperature: float = 1.0) -> Tensor:
-    """Entropy of softmax(logits / temperature) per position. (B, T, V) -> (B, T)."""
+    """Entropy of softmax(logits / temperature) per position. (B, T, V) -> (B, T), float32."""
+    logits = logits.float()
     if temperature != 1.0:
         logits = logits / temperature
     logp = torch.log_softmax(logits, dim=-1)

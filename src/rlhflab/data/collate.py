@@ -43,7 +43,8 @@ def collate_sft(items: list[TokenizedSFT], pad_id: int) -> SFTBatch:
         input_ids[i, :n] = torch.tensor(it.prompt_ids + it.completion_ids, dtype=torch.long)
         attention_mask[i, :n] = 1
         labels[i, p:n] = input_ids[i, p:n]
-    num_label_tokens = sum(len(it.completion_ids) for it in items)
+    # the first position has no left context, so a label there is never predicted
+    num_label_tokens = int((labels[:, 1:] != IGNORE_INDEX).sum())
     return SFTBatch(input_ids, attention_mask, labels, num_label_tokens)
 
 

@@ -69,13 +69,14 @@ def evaluate(cfg: EvalConfig, run: RunDir | None = None) -> RunResult:
     seed_everything(cfg.seed)
     if not cfg.model:
         raise UserInputError("no model given", "--model", "pass a model folder, e.g. runs/demo-.../sft/model")
-    run = run or RunDir(cfg.output_dir or default_run_path("eval"), overwrite=cfg.overwrite, report_to=cfg.report_to)
-    write_config(cfg, run.path / "config.yaml")
-    run.write_versions()
     tokenizer = models.load_tokenizer(cfg.tokenizer or cfg.model, trust_remote_code=cfg.trust_remote_code)
     model = models.load_causal_lm(cfg.model, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code,
                                   device=resolve_device(cfg.device))
-    rows = answer_and_check(model, tokenizer, eval_items(cfg), cfg, progress=cfg.progress)
+    items = eval_items(cfg)
+    run = run or RunDir(cfg.output_dir or default_run_path("eval"), overwrite=cfg.overwrite, report_to=cfg.report_to)
+    write_config(cfg, run.path / "config.yaml")
+    run.write_versions()
+    rows = answer_and_check(model, tokenizer, items, cfg, progress=cfg.progress)
     run.add_samples(rows)
     table = table_from_rows(rows)
     run.log({f"{cfg.split}/pass_rate": table["overall"]}, step=0)

@@ -1,7 +1,8 @@
 """Forward passes over (query + response) that give per-response-token numbers.
 
-The same function serves the old log-probs of a rollout and the new ones in
-training, so both use the same temperature and the same position ids.
+A model-agnostic reference implementation (e.g. for evaluating a saved model's
+log-probs); PPO's roles (`rollout/roles.py`) build their inputs the same way,
+through `joined`, and a test checks both against left-padding changes.
 """
 
 from __future__ import annotations

@@ -53,17 +53,21 @@ YES_NO = Family(
 # --- number_only --------------------------------------------------------------------
 
 NUMBER_TEMPLATES = (
-    "What number comes after {n}? Reply with the number only.\n",
-    "Which number follows {n}? Answer with just the number.\n",
-    "Give the number that comes right after {n}, and nothing else.\n",
+    "How many words are in this list: {items}? Reply with the number only.\n",
+    "Count the words in {items}. Answer with just the number.\n",
+    "Give the number of words in {items}, and nothing else.\n",
 )
-NUMBER_CHATTER = ("The number is {r}.", "{r} comes after {n}.", "Sure! {r}")
+NUMBER_CHATTER = ("There are {r} words.", "The list has {r} words.", "Sure! {r}")
 
 
 def _make_number(rng: random.Random, pool: ContentPool) -> Draw:
-    """Numbers ending in 9 are left out: their successor needs a carry."""
-    n = rng.choice([m for m in pool.numbers if m % 10 != 9])
-    return Draw({"n": str(n)}, str(n + 1), (str(n),))
+    """A count of 2-6 content words: the answer is a number, the content is words.
+
+    (An earlier "what number comes after n" stayed at 0 % for the tiny model: with
+    numbers split across train/test it never learnt to copy digits and add one.)
+    """
+    words = rng.sample(pool.words, rng.randint(2, 6))
+    return Draw({"items": " ".join(words)}, str(len(words)), tuple(words))
 
 
 NUMBER_ONLY = Family(
@@ -73,8 +77,8 @@ NUMBER_ONLY = Family(
     kinds=("extra_chatter", "wrong_content", "extra_space", "missing_eos"),
     maker=_make_number,
     violators={
-        "extra_chatter": lambda item, rng: phrase(rng, NUMBER_CHATTER, r=item.reference, n=item.content[0]),
-        "wrong_content": lambda item, rng: str(int(item.content[0]) + rng.choice((0, 2))),
+        "extra_chatter": lambda item, rng: phrase(rng, NUMBER_CHATTER, r=item.reference),
+        "wrong_content": lambda item, rng: str(int(item.reference) + rng.choice((-1, 1))),
         "extra_space": lambda item, rng: phrase(rng, (" {r}", "{r} "), r=item.reference),
     },
     rules=standard_rules(),

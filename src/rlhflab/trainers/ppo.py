@@ -26,6 +26,7 @@ from rlhflab import core, data, rewards, tasks
 from rlhflab.config import PPOConfig, write_config
 from rlhflab.core import KL_ESTIMATORS, clipped_value_loss, gae, masked_mean, ppo_policy_loss, whiten
 from rlhflab.core.logprobs import selective_log_softmax
+from rlhflab.errors import UserInputError
 from rlhflab.rollout import GenerationSettings, decode_responses
 from rlhflab.rollout.rollout import Rollout, collect_rollout
 from rlhflab.tracking import RunDir, RunResult, default_run_path
@@ -47,6 +48,9 @@ def score_rollout(rollout: Rollout, reward_fn, tokenizer, items: list[tasks.Task
     """(B,) scores with the missing-EOS penalty, and (B,) validity of each row."""
     texts = decode_responses(tokenizer, rollout.response_ids, rollout.response_mask, tokenizer.eos_token_id)
     scored = rewards.as_scored(reward_fn([i.prompt for i in items], texts, items))
+    if scored.scores.shape != (rollout.batch_size,):
+        raise UserInputError(f"the reward returned {tuple(scored.scores.shape)} scores for {rollout.batch_size} responses",
+                             "reward_fn", "return one score per response, in the order given")
     device = rollout.response_ids.device
     scores = scored.scores.float().to(device) - penalty * (~rollout.ended_with_eos).float()
     valid = scored.valid.to(device) & torch.isfinite(scores)
@@ -78,10 +82,11 @@ def minibatch_losses(roles, rollout: Rollout, idx, advantages, returns, cfg: PPO
 
 
 def masked_var_of(x, mask):
-    return core.masked_var(x, mask) if mask.sum() > 1 else torch.zeros(())
+    return core.masked_var(x, mask) if mask.sum() > 1 else torch.zeros((), device=x.device)
 
 
-def ppo_epochs(roles, optimizer, scheduler, rollout: Rollout, advantages, returns, cfg: PPOConfig, generator):
+def ppo_epochs(roles, optimizer, scheduler, rollout: Rollout, advantages, returns, cfg: PPOConfig, generator,
+               update: int = 0):
     """Step 6: num_ppo_epochs x num_mini_batches optimiser steps; returns averaged stats."""
     roles.train(True)
     params = roles.trainable_parameters()
@@ -99,13 +104,15 @@ def ppo_epochs(roles, optimizer, scheduler, rollout: Rollout, advantages, return
                 weight = (rollout.response_mask[idx].sum() / mb_tokens).item()
                 loss, stats = minibatch_losses(roles, rollout, idx, advantages, returns, cfg, weight)
                 if not torch.isfinite(loss):
-                    raise FloatingPointError(f"non-finite PPO loss {loss.item()} (minibatch rows {idx.tolist()})")
+                    raise FloatingPointError(f"PPO update {update}: non-finite loss {loss.item()} "
+                                             f"(rollout rows {idx.tolist()}); no checkpoint written after it")
                 loss.backward()
                 history.append(stats)
             clip = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
             grad_norm = torch.nn.utils.clip_grad_norm_(params, clip)
             if not torch.isfinite(grad_norm):
-                raise FloatingPointError(f"non-finite gradient norm (minibatch rows {mb_idx.tolist()})")
+                raise FloatingPointError(f"PPO update {update}: non-finite gradient norm "
+                                         f"(rollout rows {mb_idx.tolist()}); no checkpoint written after it")
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
@@ -130,12 +137,12 @@ def average_stats(history: list[dict]) -> dict:
 def rollout_metrics(rollout, scores, kl, non_score, advantages_raw, returns, kl_coef, valid) -> dict:
     mask = rollout.response_mask
     lengths = mask.sum(dim=1).float()
-    kl_seq = (kl * mask).sum(dim=1)
+    kl_seq = (kl * mask).sum(dim=1)[valid]  # rows the reward failed on are out of the update
     non_score_seq = (non_score * mask).sum(dim=1)
     return {
         "objective/scores": scores[valid].mean().item() if valid.any() else float("nan"),
         "objective/kl": kl_seq.mean().item(),
-        "objective/non_score_reward": non_score_seq.mean().item(),
+        "objective/non_score_reward": non_score_seq[valid].mean().item(),
         "objective/rlhf_reward": (scores + non_score_seq)[valid].mean().item() if valid.any() else float("nan"),
         "objective/entropy": masked_mean(rollout.entropy, mask).item(),
         "val/explained_variance": core.explained_variance(rollout.values, returns, mask).item(),
@@ -172,7 +179,9 @@ def train(cfg: PPOConfig, run: RunDir | None = None, reward_fn=None) -> RunResul
     generator = torch.Generator().manual_seed(cfg.seed)  # prompt order and minibatches
     device = next(roles.policy.parameters()).device
     sampler = torch.Generator(device=device).manual_seed(cfg.seed)  # token sampling, on the model's device
-    settings = GenerationSettings(cfg.response_length, True, cfg.temperature, cfg.top_k, cfg.top_p)
+    # Rollouts sample from the full softmax: with top-k / top-p the sampling policy would
+    # not be the one whose log-probs PPO uses. top_k / top_p apply to evaluation only.
+    settings = GenerationSettings(cfg.response_length, True, cfg.temperature, top_k=0, top_p=1.0)
     evaluator = PPOEvaluator(splits["validation"], tokenizer, cfg, run)
     first = evaluator.evaluate(roles.policy, step=0, episode=0)
     order: list[int] = []
@@ -206,11 +215,11 @@ def train(cfg: PPOConfig, run: RunDir | None = None, reward_fn=None) -> RunResul
         t2 = time.time()
         # 6. PPO epochs over minibatches
         masked_rollout = rollout if bool(valid.all()) else _with_mask(rollout, mask)
-        stats = ppo_epochs(roles, optimizer, scheduler, masked_rollout, advantages, returns, cfg, generator)
+        stats = ppo_epochs(roles, optimizer, scheduler, masked_rollout, advantages, returns, cfg, generator, update)
         t3 = time.time()
         # 7. KL coefficient, metrics, periodic evaluation
         kl_coef_used = kl_ctl.value
-        kl_ctl.update((kl * mask).sum(dim=1).mean().item(), cfg.batch_size)
+        kl_ctl.update((kl * mask).sum(dim=1)[valid].mean().item(), cfg.batch_size)
         episode += cfg.batch_size
         generated_tokens = int(rollout.response_mask.sum().item())
         last = {

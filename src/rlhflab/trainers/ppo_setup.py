@@ -8,7 +8,7 @@ from rlhflab import models, rewards
 from rlhflab.config import PPOConfig
 from rlhflab.errors import UserInputError
 from rlhflab.rollout.roles import PolicyRoles
-from rlhflab.trainers.setup import resolve_device
+from rlhflab.trainers.setup import check_full_precision, resolve_device
 
 log = logging.getLogger("rlhflab")
 
@@ -17,6 +17,20 @@ def check_ppo_config(cfg: PPOConfig) -> None:
     """Refuse combinations that cannot work, before anything is loaded."""
     if not cfg.model:
         raise UserInputError("no policy given", "--model", "pass the SFT model folder, e.g. runs/demo-.../sft/model")
+    positive = {"batch_size": cfg.batch_size, "num_mini_batches": cfg.num_mini_batches,
+                "num_ppo_epochs": cfg.num_ppo_epochs, "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
+                "response_length": cfg.response_length, "temperature": cfg.temperature}
+    for name, value in positive.items():
+        if value <= 0:
+            raise UserInputError(f"{name} must be > 0, got {value}", f"--{name}")
+    if cfg.adaptive_kl and (cfg.kl_target <= 0 or cfg.kl_horizon <= 0):
+        raise UserInputError("adaptive_kl needs kl_target > 0 and kl_horizon > 0", "--kl_target / --kl_horizon")
+    check_full_precision(cfg.dtype, lora=cfg.lora_r > 0)
+    if cfg.reward_model and cfg.reward in ("checker", "random"):
+        log.warning("reward=%s: --reward_model %s is not used", cfg.reward, cfg.reward_model)
+    if cfg.total_episodes % cfg.batch_size:
+        log.warning("total_episodes %d is not a multiple of batch_size %d: running %d episodes",
+                    cfg.total_episodes, cfg.batch_size, cfg.total_episodes // cfg.batch_size * cfg.batch_size)
     if cfg.batch_size % cfg.num_mini_batches:
         raise UserInputError(
             f"batch_size {cfg.batch_size} is not divisible by num_mini_batches {cfg.num_mini_batches}",
@@ -62,7 +76,7 @@ def build_roles(cfg: PPOConfig) -> tuple[PolicyRoles, object]:
     elif cfg.value_mode == "separate":
         value_model = models.ValueModel.from_pretrained(cfg.value_model or cfg.model, dtype=cfg.dtype,
                                                         trust_remote_code=cfg.trust_remote_code).to(device)
-    else:
+    else:  # "lora_adapter" (the config's Literal admits no other value)
         models.add_value_adapter(policy, r=cfg.lora_r, alpha=cfg.lora_alpha)
         value_head = models.ValueHead(hidden).to(device)
     roles = PolicyRoles(policy, value_mode=cfg.value_mode, value_head=value_head, value_model=value_model,

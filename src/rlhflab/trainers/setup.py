@@ -11,6 +11,7 @@ import torch
 from transformers import get_scheduler
 
 from rlhflab import models, tasks
+from rlhflab.errors import UserInputError
 
 log = logging.getLogger("rlhflab")
 
@@ -31,6 +32,14 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
+
+
+def check_full_precision(dtype: str, lora: bool) -> None:
+    """Refuse full fine-tuning of bf16/fp16 weights: with no fp32 master copy, AdamW steps
+    smaller than one bf16 step (~0.4 % of a weight) are rounded away."""
+    if dtype in ("bfloat16", "float16") and not lora:
+        raise UserInputError(f"full fine-tuning with dtype={dtype} would lose small updates to rounding",
+                             "--dtype", "use --dtype float32, or train LoRA adapters (--lora_r 8) on the low-precision base")
 
 
 def seed_everything(seed: int) -> None:

@@ -24,9 +24,11 @@ from tqdm.auto import tqdm
 
 from rlhflab import data, models, tasks
 from rlhflab.config import SFTConfig, write_config
+from rlhflab.errors import UserInputError
 from rlhflab.tracking import RunDir, RunResult, default_run_path
 from rlhflab.trainers.validation import validate_pass_rate
 from rlhflab.trainers.setup import (
+    check_full_precision,
     configure_threads,
     load_or_build_policy,
     make_optimizer,
@@ -103,6 +105,8 @@ def train_step(model, optimizer, scheduler, examples: list[data.TokenizedSFT], p
         raise FloatingPointError(f"non-finite SFT loss {loss_sum} at lr {scheduler.get_last_lr()[0]:.2e}")
     clip = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    if not torch.isfinite(grad_norm):
+        raise FloatingPointError(f"non-finite SFT gradient norm at lr {scheduler.get_last_lr()[0]:.2e}")
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
@@ -135,6 +139,9 @@ def train(cfg: SFTConfig, run: RunDir | None = None) -> RunResult:
     started = time.time()
     configure_threads(cfg.threads)
     seed_everything(cfg.seed)
+    if cfg.max_steps < 1 or cfg.batch_size < 1 or cfg.gradient_accumulation_steps < 1:
+        raise UserInputError("max_steps, batch_size and gradient_accumulation_steps must be >= 1", "sft config")
+    check_full_precision(cfg.dtype, lora=False)
     # 1. model and tokenizer (the tiny default is built from the suite's templates)
     model, tokenizer = load_or_build_policy(cfg)
     model.to(resolve_device(cfg.device))
@@ -161,8 +168,11 @@ def train(cfg: SFTConfig, run: RunDir | None = None) -> RunResult:
             order.extend(epoch)
         batch_ids, order = order[: cfg.batch_size], order[cfg.batch_size :]
         # 4. one optimiser step with completion-only loss
-        stats = train_step(model, optimizer, scheduler, [sft_data.train[i] for i in batch_ids],
-                           tokenizer.pad_token_id, cfg)
+        try:
+            stats = train_step(model, optimizer, scheduler, [sft_data.train[i] for i in batch_ids],
+                               tokenizer.pad_token_id, cfg)
+        except FloatingPointError as err:
+            raise FloatingPointError(f"SFT step {step}: {err}; no model written after it") from err
         if step % cfg.log_every == 0 or step == cfg.max_steps:
             run.log({**stats, "lr": scheduler.get_last_lr()[0], "elapsed_s": time.time() - started}, step=step)
             bar.set_postfix(loss=f"{stats['loss/sft']:.3f}")
