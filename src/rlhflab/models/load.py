@@ -64,6 +64,17 @@ def _not_found(s: str, what: str, err: Exception) -> UserInputError:
     )
 
 
+def read_model_config(path_or_id: str | Path, what: str, dtype: str, trust_remote_code: bool):
+    """Check the dtype name and the path, then load the folder's config. -> (path as str, config)."""
+    if dtype not in DTYPES:
+        raise UserInputError(f"unknown dtype {dtype!r}", where="dtype", fix=f"use one of {sorted(DTYPES)}")
+    s = _check_exists(path_or_id, what)
+    try:
+        return s, AutoConfig.from_pretrained(s, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as err:
+        raise _not_found(s, f"{what} config", err) from err
+
+
 def _honour_declared_tokenizer_class(
     path: str, tokenizer: PreTrainedTokenizerBase, **kwargs
 ) -> PreTrainedTokenizerBase:
@@ -140,13 +151,7 @@ def load_causal_lm(
     device: str | torch.device = "cpu",
 ) -> PreTrainedModel:
     """`AutoModelForCausalLM.from_pretrained` with checks; the train/eval mode is left as loaded."""
-    if dtype not in DTYPES:
-        raise UserInputError(f"unknown dtype {dtype!r}", where="dtype", fix=f"use one of {sorted(DTYPES)}")
-    s = _check_exists(path_or_id, "model")
-    try:
-        config = AutoConfig.from_pretrained(s, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as err:
-        raise _not_found(s, "model config", err) from err
+    s, config = read_model_config(path_or_id, "model", dtype, trust_remote_code)
     _check_causal(config, s, trust_remote_code)
     local = Path(s).is_dir()
     use_safetensors = True if local and any(Path(s).glob("*.safetensors")) else None

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import torch
 from torch import Tensor, nn
-from transformers import AutoConfig, AutoModelForSequenceClassification, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoModelForSequenceClassification, PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhflab.errors import UserInputError
-from rlhflab.models.load import DTYPES, _check_exists, _not_found, load_tokenizer
+from rlhflab.models.load import DTYPES, _check_exists, _not_found, read_model_config, load_tokenizer
 from rlhflab.models.tiny_model import build_tiny_model
 from rlhflab.models.value import _is_reward_model, init_scalar_head
 
@@ -46,13 +46,7 @@ def load_reward_model(
 
     `config.pad_token_id` is filled in from `tokenizer` (or the folder's own tokenizer) when missing.
     """
-    if dtype not in DTYPES:
-        raise UserInputError(f"unknown dtype {dtype!r}", where="dtype", fix=f"use one of {sorted(DTYPES)}")
-    s = _check_exists(path, "reward model")
-    try:
-        config = AutoConfig.from_pretrained(s, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as err:
-        raise _not_found(s, "reward model config", err) from err
+    s, config = read_model_config(path, "reward model", dtype, trust_remote_code)
     if not _is_reward_model(config):
         raise UserInputError(
             f"not a reward model: architectures {getattr(config, 'architectures', None)} has no "

@@ -19,10 +19,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
-from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassification, PreTrainedModel
+from transformers import AutoModel, AutoModelForSequenceClassification, PreTrainedModel
 
 from rlhflab.errors import UserInputError
-from rlhflab.models.load import DTYPES, _check_exists, _not_found
+from rlhflab.models.load import DTYPES, read_model_config
 
 logger = logging.getLogger(__name__)
 
@@ -95,13 +95,7 @@ class ValueModel(nn.Module):
         cls, path: str | Path, dtype: str = "float32", trust_remote_code: bool = False
     ) -> "ValueModel":
         """Load from a saved ValueModel, a causal-LM folder (fresh head) or a reward-model folder (head = score)."""
-        if dtype not in DTYPES:
-            raise UserInputError(f"unknown dtype {dtype!r}", where="dtype", fix=f"use one of {sorted(DTYPES)}")
-        s = _check_exists(path, "value model")
-        try:
-            config = AutoConfig.from_pretrained(s, trust_remote_code=trust_remote_code)
-        except (OSError, ValueError) as err:
-            raise _not_found(s, "value model config", err) from err
+        s, config = read_model_config(path, "value model", dtype, trust_remote_code)
         kwargs = dict(dtype=DTYPES[dtype], trust_remote_code=trust_remote_code)
         head_file = Path(s) / VALUE_HEAD_FILE
         if head_file.is_file():
