@@ -201,7 +201,7 @@ class DemoConfig(SFTConfig):
     run_ppo: bool = arg(True, "run the PPO stage after SFT")
     ppo_config: str = arg("", "YAML of PPOConfig fields for the demo's PPO stage (e.g. configs/ppo_tiny.yaml)")
     ppo_total_episodes: int = arg(3840, "PPO stage: responses generated")
-    ppo_learning_rate: float = arg(2e-4, "PPO stage: learning rate")
+    ppo_learning_rate: float = arg(1e-4, "PPO stage: learning rate")
     ppo_kl_coef: float = arg(0.05, "PPO stage: KL penalty coefficient beta")
 
 

