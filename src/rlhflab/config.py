@@ -114,6 +114,7 @@ class SFTConfig(RunFields, ModelFields, TinyModelFields, SuiteFields, DataFields
     batch_size: int = arg(64, "sequences per optimiser step (split over gradient_accumulation_steps)")
     eval_every: int = arg(200, "validation loss and pass rate every N steps; 0 = only at the end")
     eval_prompts: int = arg(100, "validation prompts used for the periodic pass rate")
+    group_by_length: int = arg(0, "sort runs of this many batches by length before cutting them (less padding); 0 = off")
 
 
 @dataclass(frozen=True)

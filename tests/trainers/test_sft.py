@@ -70,3 +70,17 @@ def test_gradient_accumulation_gives_the_same_update_as_one_batch():
     for one, four in zip(*updates):
         assert torch.allclose(one, four, atol=1e-6, rtol=1e-4)
     assert any(u.abs().max() > 0 for u in updates[0])
+
+
+def test_batch_stream_covers_every_example_once_per_pass_and_groups_by_length():
+    import random
+
+    lengths = [5, 1, 9, 3, 7, 2, 8, 4]
+    plain = sft.batch_stream(lengths, 2, 0, random.Random(0))
+    first_pass = [i for _ in range(4) for i in next(plain)]
+    assert sorted(first_pass) == list(range(8))
+    grouped = sft.batch_stream(lengths, 2, 4, random.Random(0))
+    batches = [next(grouped) for _ in range(4)]
+    assert sorted(i for b in batches for i in b) == list(range(8))
+    spans = sorted((min(lengths[i] for i in b), max(lengths[i] for i in b)) for b in batches)
+    assert spans == [(1, 2), (3, 4), (5, 7), (8, 9)]  # sorted runs: neighbours in length share a batch

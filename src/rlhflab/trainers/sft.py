@@ -16,6 +16,7 @@ import math
 import random
 import time
 from dataclasses import dataclass
+from typing import Iterator
 from pathlib import Path
 
 import torch
@@ -134,6 +135,31 @@ def evaluate_now(model, tokenizer, sft_data: SFTData, cfg, step: int, run: RunDi
     return metrics
 
 
+def batch_stream(lengths: list[int], batch_size: int, group_by_length: int, rng: random.Random) -> Iterator[list[int]]:
+    """Batches of indices from back-to-back shuffled passes over the data.
+
+    With group_by_length = k > 1, each run of k batches is sorted by sequence length
+    before it is cut (less padding, faster steps) and the k batches are shuffled. On the
+    built-in suite this groups families together and hurt learning badly (validation pass
+    rate 0.07 instead of ~0.5 after 600 steps), so it is off by default.
+    """
+    order: list[int] = []
+    per_draw = batch_size * max(1, group_by_length)
+    while True:
+        while len(order) < per_draw:
+            epoch = list(range(len(lengths)))
+            rng.shuffle(epoch)
+            order.extend(epoch)
+        drawn, order = order[:per_draw], order[per_draw:]
+        if group_by_length <= 1:
+            yield drawn
+            continue
+        drawn.sort(key=lengths.__getitem__)
+        groups = [drawn[s : s + batch_size] for s in range(0, per_draw, batch_size)]
+        rng.shuffle(groups)
+        yield from groups
+
+
 def train(cfg: SFTConfig, run: RunDir | None = None) -> RunResult:
     """Run SFT as configured; returns the run folder and the HF model folder it wrote."""
     started = time.time()
@@ -158,15 +184,12 @@ def train(cfg: SFTConfig, run: RunDir | None = None) -> RunResult:
     log.info("SFT: %d train / %d validation sequences, %d steps x %d", len(sft_data.train),
              len(sft_data.validation), cfg.max_steps, cfg.batch_size)
 
-    order: list[int] = []
+    lengths = [len(e.prompt_ids) + len(e.completion_ids) for e in sft_data.train]
+    batches = batch_stream(lengths, cfg.batch_size, cfg.group_by_length, order_rng)
     bar = tqdm(range(1, cfg.max_steps + 1), desc="sft", unit="step", disable=not cfg.progress)
     for step in bar:
-        # 3. next batch_size sequences of a shuffled pass over the data
-        while len(order) < cfg.batch_size:
-            epoch = list(range(len(sft_data.train)))
-            order_rng.shuffle(epoch)
-            order.extend(epoch)
-        batch_ids, order = order[: cfg.batch_size], order[cfg.batch_size :]
+        # 3. next batch: shuffled passes over the data (grouped by length if asked)
+        batch_ids = next(batches)
         # 4. one optimiser step with completion-only loss
         try:
             stats = train_step(model, optimizer, scheduler, [sft_data.train[i] for i in batch_ids],
