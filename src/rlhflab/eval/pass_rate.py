@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import time
 
-import torch
-
 from rlhflab import data, models, tasks
 from rlhflab.config import EvalConfig, write_config
 from rlhflab.errors import UserInputError
-from rlhflab.rollout import GenerationSettings, generate_answers
 from rlhflab.tracking import RunDir, RunResult, default_run_path
 from rlhflab.trainers.setup import configure_threads, resolve_device, seed_everything
+from rlhflab.trainers.validation import checked_answers, pass_rate_table
 
 
 def eval_items(cfg: EvalConfig) -> list[tasks.TaskItem]:
@@ -24,26 +22,12 @@ def eval_items(cfg: EvalConfig) -> list[tasks.TaskItem]:
 
 
 def answer_and_check(model, tokenizer, items: list[tasks.TaskItem], cfg, progress: bool = True) -> list[dict]:
-    settings = GenerationSettings(cfg.max_new_tokens, cfg.do_sample, cfg.temperature, cfg.top_k, cfg.top_p)
-    generator = torch.Generator().manual_seed(cfg.seed)
-    answers = generate_answers(
-        model, tokenizer, [i.prompt for i in items], settings,
-        batch_size=cfg.eval_batch_size, generator=generator, progress=progress,
-    )
-    rows = []
-    for item, answer in zip(items, answers):
-        verdict = tasks.check(item, answer.text, answer.ended_with_eos)
-        rows.append({
-            "family": item.family, "prompt": item.prompt, "answer": answer.text, "reference": item.reference,
-            "passed": verdict.passed, "kind": verdict.kind, "reason": verdict.reason,
-            "ended_with_eos": answer.ended_with_eos, "response_tokens": answer.num_tokens,
-        })
-    return rows
+    """Every item's answer with its verdict (family, prompt, answer, reference, passed, kind, reason, ...)."""
+    return checked_answers(model, tokenizer, items, cfg, progress=progress)
 
 
 def table_from_rows(rows: list[dict]) -> dict:
-    verdicts = [(r["family"], tasks.Verdict(r["passed"], r["kind"], r["reason"])) for r in rows]
-    return tasks.pass_rate_table(verdicts)
+    return pass_rate_table(rows)
 
 
 def format_table(tables: dict[str, dict], title: str = "held-out pass rate") -> str:

@@ -9,13 +9,12 @@ from rlhflab.rollout import GenerationSettings, generate_answers
 from rlhflab.tracking import RunDir
 
 
-def checked_answers(model, tokenizer, items: list[tasks.TaskItem], cfg) -> list[dict]:
+def checked_answers(model, tokenizer, items: list[tasks.TaskItem], cfg, progress: bool = False) -> list[dict]:
     """Answer `items` with the config's evaluation decoding and check every answer."""
     settings = GenerationSettings(cfg.max_new_tokens, cfg.do_sample, cfg.temperature, cfg.top_k, cfg.top_p)
     generator = torch.Generator().manual_seed(cfg.seed)
-    answers = generate_answers(
-        model, tokenizer, [i.prompt for i in items], settings, batch_size=cfg.eval_batch_size, generator=generator
-    )
+    answers = generate_answers(model, tokenizer, [i.prompt for i in items], settings,
+                               batch_size=cfg.eval_batch_size, generator=generator, progress=progress)
     rows = []
     for item, answer in zip(items, answers):
         verdict = tasks.check(item, answer.text, answer.ended_with_eos)
