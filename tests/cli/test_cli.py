@@ -142,3 +142,25 @@ def test_bad_data_leaves_no_run_folder_behind(tmp_path):
     bad.write_text('{"prompt": "", "completion": "c"}\n')
     assert main(["sft", "--train_file", str(bad), "--out", str(tmp_path / "r"), *TINY_DEMO[:4]]) == 2
     assert not (tmp_path / "r").exists()
+
+
+def test_ppo_command_on_the_demo_model(demo_run, tmp_path, capsys):
+    out, _ = demo_run
+    code = main(["ppo", "--model", str(out / "sft" / "model"), "--out", str(tmp_path / "ppo"), "--batch_size", "8",
+                 "--total_episodes", "16", "--response_length", "6", "--eval_prompts", "4",
+                 "--num_train_prompts", "22", "--num_validation_prompts", "11", "--num_test_prompts", "11",
+                 "--lora_r", "4", "--value_mode", "lora_adapter", "--progress", "false", "--threads", "1"])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "validation pass rate" in printed and "episodes/s" in printed
+    for name in ("model/model.safetensors", "adapter/adapter_config.json", "value/value_head.safetensors",
+                 "config.yaml", "summary.json", "samples.jsonl"):
+        assert (tmp_path / "ppo" / name).is_file(), name
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "ppo" / "model").config.hidden_size == 32
+
+
+def test_ppo_refuses_impossible_settings(tmp_path, capsys):
+    assert main(["ppo", "--model", str(tmp_path), "--value_mode", "lora_adapter"]) == 2
+    assert "--lora_r" in capsys.readouterr().err
+    assert main(["ppo", "--model", str(tmp_path), "--batch_size", "10", "--num_mini_batches", "3"]) == 2
+    assert "divisible" in capsys.readouterr().err
