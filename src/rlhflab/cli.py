@@ -1,6 +1,6 @@
 """`rlhflab <stage> --config file.yaml --field value`.
 
-Stages: demo, sft, eval, ppo, tasks export. `rlhflab <stage> --help` lists every
+Stages: demo, sft, eval, rm, ppo, tasks export. `rlhflab <stage> --help` lists every
 field with its default and help.
 """
 
@@ -26,6 +26,7 @@ stages:
   demo           tiny model -> SFT -> PPO (checker reward) -> held-out pass rates, on a CPU
   sft            supervised fine-tuning (completion-only loss)
   eval           generate answers to a split's prompts and check them
+  rm             reward model: Bradley-Terry on (prompt, chosen, rejected) pairs
   ppo            PPO-RLHF: policy, reference, reward (checker or model) and value
   tasks export   write the built-in suite as JSONL (sft / pairs / prompts per split)
 
@@ -85,6 +86,16 @@ def run_tasks_export(cfg) -> int:
     return 0
 
 
+def run_rm(cfg) -> int:
+    from rlhflab.trainers import reward
+
+    result = reward.train(cfg)
+    for split, m in result.summary["pairs"].items():
+        print(f"{split:>10}: pairwise accuracy {m['accuracy']:.1%}, margin {m['margin']:.2f} ({m['pairs']} pairs)")
+    print(f"reward model: {result.model_dir}")
+    return 0
+
+
 def run_ppo(cfg) -> int:
     from rlhflab.trainers import ppo
 
@@ -97,7 +108,7 @@ def run_ppo(cfg) -> int:
     return 0
 
 
-COMMANDS = {"demo": run_demo, "sft": run_sft, "eval": run_eval, "ppo": run_ppo, "tasks export": run_tasks_export}
+COMMANDS = {"demo": run_demo, "sft": run_sft, "eval": run_eval, "ppo": run_ppo, "rm": run_rm, "tasks export": run_tasks_export}
 
 
 def split_stage(argv: list[str]) -> tuple[str, list[str]]:

@@ -192,6 +192,21 @@ class PPOConfig(RunFields, ModelFields, SuiteFields, LoraFields, OptimFields, Ge
 
 
 @dataclass(frozen=True)
+class RMConfig(RunFields, ModelFields, SuiteFields, DataFields, OptimFields):
+    """`rlhflab rm`: a scalar reward model trained on preference pairs with Bradley-Terry."""
+
+    pair_kinds: str = arg("", "built-in suite: violation kinds of the rejected answers (comma-separated); empty = all")
+    pairs_per_prompt: int = arg(3, "built-in suite: rejected answers per prompt")
+    num_epochs: int = arg(1, "passes over the training pairs (reward models overfit fast)")
+    batch_size: int = arg(32, "pairs per optimiser step")
+    margin: float = arg(0.0, "Bradley-Terry margin: -log sigmoid(r_c - r_r - margin)")
+    center_rewards_coef: float = arg(0.0, "reward-centring penalty coef * (r_c + r_r)^2 (Eisenstein et al. 2023)")
+    learning_rate: float = arg(3e-4, "peak AdamW learning rate")
+    warmup_steps: int = arg(5, "linear warmup steps")
+    lr_schedule: Literal["cosine", "linear", "constant"] = arg("linear", "decay after warmup")
+
+
+@dataclass(frozen=True)
 class DemoConfig(SFTConfig):
     """`rlhflab demo`: tiny model -> SFT -> PPO (checker reward) -> held-out evaluation of both, on a CPU.
 
@@ -212,6 +227,7 @@ STAGES: dict[str, type] = {
     "tasks export": TasksExportConfig,
     "demo": DemoConfig,
     "ppo": PPOConfig,
+    "rm": RMConfig,
 }
 
 

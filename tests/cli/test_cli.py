@@ -164,3 +164,16 @@ def test_ppo_refuses_impossible_settings(tmp_path, capsys):
     assert "--lora_r" in capsys.readouterr().err
     assert main(["ppo", "--model", str(tmp_path), "--batch_size", "10", "--num_mini_batches", "3"]) == 2
     assert "divisible" in capsys.readouterr().err
+
+
+def test_rm_command_on_the_demo_model(demo_run, tmp_path, capsys):
+    out, _ = demo_run
+    code = main(["rm", "--model", str(out / "sft" / "model"), "--out", str(tmp_path / "rm"),
+                 "--num_train_prompts", "22", "--num_validation_prompts", "11", "--num_test_prompts", "11",
+                 "--batch_size", "8", "--progress", "false", "--threads", "1"])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "test: pairwise accuracy" in printed
+    summary = json.loads((tmp_path / "rm" / "summary.json").read_text())
+    assert {"train", "validation", "test"} == set(summary["pairs"])
+    assert (tmp_path / "rm" / "model" / "model.safetensors").is_file()

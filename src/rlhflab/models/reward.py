@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 from torch import Tensor, nn
+from transformers.utils import logging as hf_logging
 from transformers import AutoModelForSequenceClassification, PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhflab.errors import UserInputError
@@ -96,12 +97,16 @@ def build_reward_model_from_causal(
         if dtype not in DTYPES:
             raise UserInputError(f"unknown dtype {dtype!r}", where="dtype", fix=f"use one of {sorted(DTYPES)}")
         s = _check_exists(path_or_model, "model")
+        verbosity = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()  # "score.weight MISSING" is the point here: we add the head
         try:
             model = AutoModelForSequenceClassification.from_pretrained(
                 s, num_labels=1, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code
             )
         except (OSError, ValueError) as err:
             raise _not_found(s, "causal LM for the reward model", err) from err
+        finally:
+            hf_logging.set_verbosity(verbosity)
     init_scalar_head(model.score)
     _set_pad(model, _pad_id_from(tokenizer))
     return model

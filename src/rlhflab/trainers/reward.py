@@ -1,0 +1,185 @@
+"""Reward model: a scalar scorer trained on (prompt, chosen, rejected) with Bradley-Terry.
+
+    rlhflab rm --model runs/demo-.../sft/model
+
+loss = -log sigmoid(r_chosen - r_rejected - margin) [+ coef * (r_chosen + r_rejected)^2]
+(Bradley & Terry 1952; Ouyang et al. 2022 §3.5; reward centring: Eisenstein et al. 2023).
+One epoch by default: it overfits fast (MISSION.md §2). The score is read at the last
+real token (`models.sequence_scores`), whatever the padding side.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+from tqdm.auto import tqdm
+
+from rlhflab import data, models, tasks
+from rlhflab.config import RMConfig, write_config
+from rlhflab.core import bradley_terry_loss, reward_centering_penalty
+from rlhflab.errors import UserInputError
+from rlhflab.tracking import RunDir, RunResult, default_run_path
+from rlhflab.trainers.setup import (
+    configure_threads,
+    make_optimizer,
+    make_scheduler,
+    resolve_device,
+    seed_everything,
+)
+
+log = logging.getLogger("rlhflab")
+
+
+@dataclass(frozen=True)
+class TokenizedPair:
+    chosen: list[int]  # prompt + chosen + EOS
+    rejected: list[int]  # prompt + rejected + EOS
+    family: str | None
+    violation: str | None
+
+
+def tokenize_pairs(pairs: list[data.PairExample], tokenizer, max_length: int) -> list[TokenizedPair]:
+    as_sft = [data.SFTExample(p.prompt, text, p.family, p.violation) for p in pairs for text in (p.chosen, p.rejected)]
+    seqs = data.tokenize_sft(as_sft, tokenizer, max_length)
+    return [TokenizedPair(c.prompt_ids + c.completion_ids, r.prompt_ids + r.completion_ids, p.family, p.violation)
+            for p, c, r in zip(pairs, seqs[0::2], seqs[1::2])]
+
+
+def suite_pairs(cfg: RMConfig) -> dict[str, list[data.PairExample]]:
+    """Built-in pairs for each split; `pair_kinds` restricts the rejected answers' violations."""
+    splits = tasks.build_splits(cfg.split_seed, cfg.num_train_prompts, cfg.num_validation_prompts, cfg.num_test_prompts)
+    kinds = [k.strip() for k in cfg.pair_kinds.split(",") if k.strip()] or None
+    out = {}
+    for split, items in splits.items():
+        rows = tasks.pair_rows(items, kinds, cfg.pairs_per_prompt, seed=cfg.seed)
+        out[split] = [data.PairExample(r["prompt"], r["chosen"], r["rejected"], r["family"], r["violation"]) for r in rows]
+    return out
+
+
+def load_pairs(cfg: RMConfig, tokenizer) -> dict[str, list[TokenizedPair]]:
+    pairs = suite_pairs(cfg)
+    for split, path in (("train", cfg.train_file), ("validation", cfg.validation_file)):
+        if path:
+            pairs[split] = data.load_examples(path, "pairs", tokenizer=tokenizer,
+                                              max_prompt_tokens=cfg.max_prompt_tokens, strict=cfg.strict)
+    if cfg.train_file and not cfg.validation_file:
+        pairs.pop("validation")
+    if cfg.train_file:
+        pairs.pop("test")  # the suite's test split says nothing about a user's data
+    if not pairs["train"]:
+        raise UserInputError("no training pairs", "--pair_kinds", "allow violation kinds the suite's families produce")
+    return {split: tokenize_pairs(p, tokenizer, cfg.max_length) for split, p in pairs.items()}
+
+
+def pair_scores(model, batch: list[TokenizedPair], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scores of chosen and rejected, both (B,), from one right-padded forward pass of 2B rows."""
+    seqs = [p.chosen for p in batch] + [p.rejected for p in batch]
+    length = max(map(len, seqs))
+    device = next(model.parameters()).device
+    ids = torch.tensor([s + [pad_id] * (length - len(s)) for s in seqs], device=device)  # (2B, L)
+    mask = torch.tensor([[1] * len(s) + [0] * (length - len(s)) for s in seqs], device=device)  # (2B, L)
+    scores = models.sequence_scores(model, ids, mask).float()
+    return scores[: len(batch)], scores[len(batch) :]
+
+
+@torch.no_grad()
+def evaluate_pairs(model, pairs: list[TokenizedPair], pad_id: int, batch_size: int = 64) -> dict:
+    """Pairwise accuracy and margin, overall, per family and per violation kind; score statistics."""
+    model.eval()
+    chosen, rejected = [], []
+    for start in range(0, len(pairs), batch_size):
+        c, r = pair_scores(model, pairs[start : start + batch_size], pad_id)
+        chosen.append(c.cpu())
+        rejected.append(r.cpu())
+    model.train()
+    c, r = torch.cat(chosen), torch.cat(rejected)
+    correct = (c > r).float()
+    groups = {"per_family": [p.family for p in pairs], "per_violation": [p.violation for p in pairs]}
+    out = {"accuracy": correct.mean().item(), "margin": (c - r).mean().item(), "pairs": len(pairs),
+           "chosen_mean": c.mean().item(), "chosen_std": c.std().item() if len(c) > 1 else 0.0,
+           "rejected_mean": r.mean().item(), "rejected_std": r.std().item() if len(r) > 1 else 0.0}
+    for name, keys in groups.items():
+        by = defaultdict(list)
+        for key, ok in zip(keys, correct.tolist()):
+            by[str(key)].append(ok)
+        out[name] = {k: sum(v) / len(v) for k, v in sorted(by.items())}
+    return out
+
+
+def train_step(model, optimizer, scheduler, batch: list[TokenizedPair], pad_id: int, cfg: RMConfig) -> dict:
+    chosen, rejected = pair_scores(model, batch, pad_id)
+    loss, stats = bradley_terry_loss(chosen, rejected, margin=cfg.margin if cfg.margin else None)
+    if cfg.center_rewards_coef > 0:
+        loss = loss + reward_centering_penalty(chosen, rejected, cfg.center_rewards_coef)
+    if not torch.isfinite(loss):
+        raise FloatingPointError(f"non-finite reward-model loss {loss.item()}")
+    loss.backward()
+    clip = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return {"loss/rm": loss.item(), "rm/accuracy": stats["accuracy"].item(), "rm/margin": stats["margin"].item(),
+            "grad_norm": grad_norm.item()}
+
+
+def train(cfg: RMConfig, run: RunDir | None = None) -> RunResult:
+    """Train a reward model as configured; returns the run folder and the HF reward-model folder."""
+    started = time.time()
+    if not cfg.model:
+        raise UserInputError("no backbone given", "--model", "pass the SFT model folder (or any HF causal LM)")
+    configure_threads(cfg.threads)
+    seed_everything(cfg.seed)
+    # 1. backbone -> scalar reward model (score head: small normal, zero bias)
+    tokenizer = models.load_tokenizer(cfg.tokenizer or cfg.model, trust_remote_code=cfg.trust_remote_code)
+    model = models.build_reward_model_from_causal(cfg.model, tokenizer, dtype=cfg.dtype,
+                                                  trust_remote_code=cfg.trust_remote_code)
+    model.config.pad_token_id = tokenizer.pad_token_id
+    model.to(resolve_device(cfg.device))
+    models.disable_dropout(model)
+    model.train()
+    # 2. pairs, validated and tokenised before the run folder exists
+    pairs = load_pairs(cfg, tokenizer)
+    run = run or RunDir(cfg.output_dir or default_run_path("rm"), overwrite=cfg.overwrite, report_to=cfg.report_to)
+    write_config(cfg, run.path / "config.yaml")
+    run.write_versions()
+    steps_per_epoch = math.ceil(len(pairs["train"]) / cfg.batch_size)
+    total = steps_per_epoch * cfg.num_epochs
+    optimizer = make_optimizer(model.parameters(), cfg)
+    scheduler = make_scheduler(optimizer, cfg, total)
+    rng = random.Random(cfg.seed)
+    log.info("reward model: %d train pairs, %d steps", len(pairs["train"]), total)
+
+    # 3. epochs over shuffled pairs
+    step = 0
+    bar = tqdm(total=total, desc="rm", unit="step", disable=not cfg.progress)
+    for _ in range(cfg.num_epochs):
+        order = list(range(len(pairs["train"])))
+        rng.shuffle(order)
+        for start in range(0, len(order), cfg.batch_size):
+            step += 1
+            batch = [pairs["train"][i] for i in order[start : start + cfg.batch_size]]
+            try:
+                stats = train_step(model, optimizer, scheduler, batch, tokenizer.pad_token_id, cfg)
+            except FloatingPointError as err:
+                raise FloatingPointError(f"reward-model step {step}: {err}; no model written after it") from err
+            if step % cfg.log_every == 0 or step == total:
+                run.log({**stats, "lr": scheduler.get_last_lr()[0]}, step=step)
+                bar.set_postfix(loss=f"{stats['loss/rm']:.3f}", acc=f"{stats['rm/accuracy']:.2f}")
+            bar.update(1)
+    bar.close()
+
+    # 4. held-out metrics per split, then the model as an ordinary HF folder
+    metrics = {split: evaluate_pairs(model, p, tokenizer.pad_token_id) for split, p in pairs.items()}
+    run.log({f"{split}/{k}": v[k] for split, v in metrics.items() for k in ("accuracy", "margin")}, step=step)
+    model_dir = models.save_model_folder(run.path / "model", model, tokenizer)
+    summary = run.update_summary(stage="rm", steps=step, pairs=metrics,
+                                 wall_time_s={"rm": round(time.time() - started, 1)}, model_dir=str(model_dir))
+    run.close()
+    return RunResult(run.path, summary, model_dir)

@@ -1,0 +1,56 @@
+"""Reward-model trainer: a tiny RM learns a separable preference; metrics add up."""
+
+import json
+
+import pytest
+import torch
+
+from rlhflab import models, tasks
+from rlhflab.config import RMConfig
+from rlhflab.errors import UserInputError
+from rlhflab.trainers import reward
+
+
+@pytest.fixture(scope="module")
+def backbone_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("backbone")
+    tokenizer = models.build_tokenizer(tasks.template_corpus(), vocab_size=256)
+    model = models.build_tiny_model(tokenizer, hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64, seed=0)
+    models.save_model_folder(folder, model, tokenizer)
+    return str(folder)
+
+
+def tiny_rm_cfg(backbone_dir, tmp_path, **overrides) -> RMConfig:
+    base = dict(model=backbone_dir, output_dir=str(tmp_path / "rm"), num_train_prompts=110, num_validation_prompts=22,
+                num_test_prompts=44, pair_kinds="wrong_case", pairs_per_prompt=1, num_epochs=8, batch_size=8,
+                learning_rate=3e-3, log_every=5, progress=False, threads=1)
+    return RMConfig(**{**base, **overrides})
+
+
+def test_a_tiny_reward_model_learns_a_separable_preference(backbone_dir, tmp_path):
+    # wrong_case rejects differ from the chosen answer only in letter case: separable token by token
+    result = reward.train(tiny_rm_cfg(backbone_dir, tmp_path))
+    pairs = result.summary["pairs"]
+    assert pairs["train"]["accuracy"] > 0.9 and pairs["test"]["accuracy"] > 0.7, pairs  # chance is 0.5
+    assert pairs["test"]["margin"] > 0
+    assert set(pairs["test"]["per_violation"]) == {"wrong_case"}
+    rows = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss/rm"] for r in rows if "loss/rm" in r]
+    assert losses[-1] < losses[0]
+    rm = models.load_reward_model(result.model_dir)
+    assert rm.config.num_labels == 1
+
+
+def test_evaluate_pairs_counts_hand_made_scores(backbone_dir, monkeypatch):
+    batch = [reward.TokenizedPair([1], [2], "a", "x"), reward.TokenizedPair([1], [2], "b", "y"),
+             reward.TokenizedPair([1], [2], "b", "x")]
+    fake = iter([(torch.tensor([2.0, 0.0, 1.0]), torch.tensor([1.0, 1.0, 0.0]))])
+    monkeypatch.setattr(reward, "pair_scores", lambda model, pairs, pad: next(fake))
+    out = reward.evaluate_pairs(torch.nn.Linear(1, 1), batch, pad_id=0)
+    assert out["accuracy"] == pytest.approx(2 / 3) and out["margin"] == pytest.approx(1 / 3)
+    assert out["per_family"] == {"a": 1.0, "b": 0.5} and out["per_violation"] == {"x": 1.0, "y": 0.0}
+
+
+def test_no_pairs_of_the_asked_kind_is_a_clear_error(backbone_dir, tmp_path):
+    with pytest.raises(UserInputError):
+        reward.train(tiny_rm_cfg(backbone_dir, tmp_path, pair_kinds="no_such_kind"))
