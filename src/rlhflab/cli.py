@@ -27,6 +27,7 @@ stages:
   sft            supervised fine-tuning (completion-only loss)
   eval           generate answers to a split's prompts and check them
   rm             reward model: Bradley-Terry on (prompt, chosen, rejected) pairs
+  rm diagnose    score the policy's own answers: reward of passing vs failing, correlation, AUC
   ppo            PPO-RLHF: policy, reference, reward (checker or model) and value
   tasks export   write the built-in suite as JSONL (sft / pairs / prompts per split)
 
@@ -96,6 +97,18 @@ def run_rm(cfg) -> int:
     return 0
 
 
+def run_rm_diagnose(cfg) -> int:
+    from rlhflab.eval.rm_diagnosis import diagnose
+
+    result = diagnose(cfg)
+    d = result.summary["rm_diagnosis"]
+    print(f"{d['answers']} answers of the policy on {cfg.split} (pass rate {d['pass_rate']:.1%}):")
+    print(f"  mean reward passing {d['mean_reward_passing']:.2f} vs failing {d['mean_reward_failing']:.2f}")
+    print(f"  point-biserial correlation with pass/fail {d['point_biserial']:.3f}, ROC-AUC {d['roc_auc']:.3f}")
+    print(f"worst cases: {result.run_dir / 'worst_cases.md'}")
+    return 0
+
+
 def run_ppo(cfg) -> int:
     from rlhflab.trainers import ppo
 
@@ -108,7 +121,7 @@ def run_ppo(cfg) -> int:
     return 0
 
 
-COMMANDS = {"demo": run_demo, "sft": run_sft, "eval": run_eval, "ppo": run_ppo, "rm": run_rm, "tasks export": run_tasks_export}
+COMMANDS = {"demo": run_demo, "sft": run_sft, "eval": run_eval, "ppo": run_ppo, "rm": run_rm, "rm diagnose": run_rm_diagnose, "tasks export": run_tasks_export}
 
 
 def split_stage(argv: list[str]) -> tuple[str, list[str]]:

@@ -207,6 +207,21 @@ class RMConfig(RunFields, ModelFields, SuiteFields, DataFields, OptimFields):
 
 
 @dataclass(frozen=True)
+class RMDiagnoseConfig(RunFields, SuiteFields, GenerationFields):
+    """`rlhflab rm diagnose`: score the policy's own answers and compare with the checker."""
+
+    reward_model: str = arg("", "reward model folder (sequence classifier with one output)")
+    policy: str = arg("", "policy whose answers are scored, e.g. the SFT model")
+    split: Literal["train", "validation", "test"] = arg("test", "which split of the built-in suite")
+    samples_per_prompt: int = arg(2, "answers generated per prompt")
+    worst_cases: int = arg(10, "failing answers with the highest reward (and passing with the lowest) to list")
+    do_sample: bool = arg(True, "sample answers (a mix of passing and failing) rather than greedy")
+    dtype: str = arg("float32", "weights dtype: float32, bfloat16, float16 or auto")
+    device: str = arg("auto", "where models run: auto (cuda if available), cpu, cuda ...")
+    trust_remote_code: bool = arg(False, "run code shipped with a hub model (off unless you trust it)")
+
+
+@dataclass(frozen=True)
 class DemoConfig(SFTConfig):
     """`rlhflab demo`: tiny model -> SFT -> PPO (checker reward) -> held-out evaluation of both, on a CPU.
 
@@ -228,6 +243,7 @@ STAGES: dict[str, type] = {
     "demo": DemoConfig,
     "ppo": PPOConfig,
     "rm": RMConfig,
+    "rm diagnose": RMDiagnoseConfig,
 }
 
 

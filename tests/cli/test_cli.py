@@ -177,3 +177,18 @@ def test_rm_command_on_the_demo_model(demo_run, tmp_path, capsys):
     summary = json.loads((tmp_path / "rm" / "summary.json").read_text())
     assert {"train", "validation", "test"} == set(summary["pairs"])
     assert (tmp_path / "rm" / "model" / "model.safetensors").is_file()
+
+
+def test_rm_diagnose_command(demo_run, tmp_path, capsys):
+    out, _ = demo_run
+    assert main(["rm", "--model", str(out / "sft" / "model"), "--out", str(tmp_path / "rm"), "--num_train_prompts", "22",
+                 "--num_validation_prompts", "11", "--num_test_prompts", "11", "--progress", "false"]) == 0
+    code = main(["rm", "diagnose", "--reward-model", str(tmp_path / "rm" / "model"), "--policy",
+                 str(out / "sft" / "model"), "--out", str(tmp_path / "diag"), "--num_train_prompts", "22",
+                 "--num_validation_prompts", "11", "--num_test_prompts", "11", "--max_new_tokens", "8",
+                 "--progress", "false"])
+    assert code == 0
+    assert "point-biserial" in capsys.readouterr().out
+    summary = json.loads((tmp_path / "diag" / "summary.json").read_text())
+    assert summary["rm_diagnosis"]["answers"] == 22
+    assert (tmp_path / "diag" / "worst_cases.md").is_file()

@@ -1,0 +1,113 @@
+"""Does the reward model agree with the checker on the policy's *own* answers?
+
+    rlhflab rm diagnose --reward_model RM_DIR --policy SFT_DIR --split test
+
+Pairwise accuracy on hand-made pairs can be 100 % while the RM still scores the
+policy's real mistakes high (the seeds' weak RM). This generates the policy's
+answers, checks them, scores them, and reports mean reward of passing vs failing
+answers, the point-biserial correlation of reward with pass/fail, ROC-AUC, and
+the worst cases for a person to read.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from rlhflab import models, rewards, tasks
+from rlhflab.config import RMDiagnoseConfig, write_config
+from rlhflab.errors import UserInputError
+from rlhflab.tracking import RunDir, RunResult, default_run_path
+from rlhflab.trainers.setup import configure_threads, resolve_device, seed_everything
+from rlhflab.trainers.validation import checked_answers
+
+
+def point_biserial(scores: list[float], passed: list[bool]) -> float:
+    """Pearson correlation of scores with a 0/1 pass indicator; NaN if either is constant."""
+    n = len(scores)
+    x = [float(s) for s in scores]
+    y = [1.0 if p else 0.0 for p in passed]
+    mx, my = sum(x) / n, sum(y) / n
+    cov = sum((a - mx) * (b - my) for a, b in zip(x, y))
+    vx = sum((a - mx) ** 2 for a in x)
+    vy = sum((b - my) ** 2 for b in y)
+    return cov / math.sqrt(vx * vy) if vx > 0 and vy > 0 else float("nan")
+
+
+def roc_auc(scores: list[float], passed: list[bool]) -> float:
+    """P(score of a random passing answer > score of a random failing one), ties count 1/2."""
+    pos = [s for s, p in zip(scores, passed) if p]
+    neg = [s for s, p in zip(scores, passed) if not p]
+    if not pos or not neg:
+        return float("nan")
+    wins = sum(1.0 if a > b else 0.5 if a == b else 0.0 for a in pos for b in neg)
+    return wins / (len(pos) * len(neg))
+
+
+def diagnosis_summary(rows: list[dict], worst: int) -> dict:
+    """Headline numbers and the worst cases from rows with "score" and "passed"."""
+    scores = [r["score"] for r in rows]
+    passed = [r["passed"] for r in rows]
+    mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
+    failing = sorted((r for r in rows if not r["passed"]), key=lambda r: -r["score"])
+    passing = sorted((r for r in rows if r["passed"]), key=lambda r: r["score"])
+    return {
+        "answers": len(rows),
+        "pass_rate": mean([1.0 if p else 0.0 for p in passed]),
+        "mean_reward_passing": mean([r["score"] for r in passing]),
+        "mean_reward_failing": mean([r["score"] for r in failing]),
+        "point_biserial": point_biserial(scores, passed),
+        "roc_auc": roc_auc(scores, passed),
+        "worst_failing": failing[:worst],
+        "worst_passing": passing[:worst],
+    }
+
+
+def worst_cases_text(summary: dict) -> str:
+    """The worst cases written for a person: what was asked, answered, expected, scored."""
+    lines = ["# Failing answers the reward model scored highest", ""]
+    for r in summary["worst_failing"]:
+        lines += [f"- score {r['score']:.2f} [{r['family']}, {r['kind']}] {r['prompt'].strip()!r}",
+                  f"  answer {r['answer']!r}, expected {r['reference']!r}"]
+    lines += ["", "# Passing answers the reward model scored lowest", ""]
+    for r in summary["worst_passing"]:
+        lines += [f"- score {r['score']:.2f} [{r['family']}] {r['prompt'].strip()!r}", f"  answer {r['answer']!r}"]
+    return "\n".join(lines) + "\n"
+
+
+def diagnose(cfg: RMDiagnoseConfig, run: RunDir | None = None) -> RunResult:
+    """Generate the policy's answers to a split, check and score them, report agreement."""
+    started = time.time()
+    if not cfg.reward_model or not cfg.policy:
+        raise UserInputError("both --reward_model and --policy are needed", "rlhflab rm diagnose")
+    configure_threads(cfg.threads)
+    seed_everything(cfg.seed)
+    device = resolve_device(cfg.device)
+    tokenizer = models.load_tokenizer(cfg.policy, trust_remote_code=cfg.trust_remote_code)
+    policy = models.load_causal_lm(cfg.policy, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code, device=device)
+    rm_tokenizer = models.load_tokenizer(cfg.reward_model, trust_remote_code=cfg.trust_remote_code)
+    rm = models.load_reward_model(cfg.reward_model, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code,
+                                  tokenizer=rm_tokenizer).to(device).eval()
+    splits = tasks.build_splits(cfg.split_seed, cfg.num_train_prompts, cfg.num_validation_prompts, cfg.num_test_prompts)
+    items = [item for item in splits[cfg.split] for _ in range(cfg.samples_per_prompt)]
+    run = run or RunDir(cfg.output_dir or default_run_path("rm-diagnose"), overwrite=cfg.overwrite,
+                        report_to=cfg.report_to)
+    write_config(cfg, run.path / "config.yaml")
+    run.write_versions()
+    rows = checked_answers(policy, tokenizer, items, cfg, progress=cfg.progress)
+    with torch.no_grad():
+        scored = rewards.ModelReward(rm, rm_tokenizer)([r["prompt"] for r in rows], [r["answer"] for r in rows], items)
+    for row, score in zip(rows, scored.scores.tolist()):
+        row["score"] = score
+    run.add_samples(rows)
+    summary = diagnosis_summary(rows, cfg.worst_cases)
+    (run.path / "worst_cases.md").write_text(worst_cases_text(summary))
+    headline = {k: v for k, v in summary.items() if not k.startswith("worst")}
+    run.log({f"rm_diagnosis/{k}": v for k, v in headline.items()}, step=0)
+    out = run.update_summary(stage="rm diagnose", split=cfg.split, rm_diagnosis=headline,
+                             decoding="sampled" if cfg.do_sample else "greedy",
+                             wall_time_s={"diagnose": round(time.time() - started, 1)})
+    run.close()
+    return RunResult(run.path, out)
