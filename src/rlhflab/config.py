@@ -155,6 +155,8 @@ class PPOConfig(RunFields, ModelFields, SuiteFields, LoraFields, OptimFields, Ge
     reward_model_weight: float = arg(1.0, "weight of the reward model in reward=combined")
     reward_shift: float = arg(0.0, "reward-model scores are (score - shift) / scale")
     reward_scale: float = arg(1.0, "reward-model scores are (score - shift) / scale")
+    normalize_reward: bool = arg(False, "set shift/scale so the starting policy's answers score mean 0, std 1")
+    calibration_prompts: int = arg(64, "train prompts answered by the starting policy to normalise the reward model")
     value_mode: Literal["shared", "separate", "lora_adapter"] = arg(
         "shared", "value head on the policy trunk, a separate value model, or a 2nd LoRA adapter on the shared base")
     value_model: str = arg("", "value model init for value_mode=separate; empty = the policy (a reward model also works)")

@@ -193,3 +193,22 @@ def test_a_reward_with_the_wrong_number_of_scores_is_a_clear_error(policy_dir, t
     cfg = tiny_cfg(policy_dir, output_dir=str(tmp_path / "run"))
     with pytest.raises(UserInputError, match="1 scores for 8 responses|\\(1,\\) scores for 8 responses"):
         ppo.train(cfg, reward_fn=lambda prompts, responses, items: [1.0])
+
+
+def test_reward_model_normalisation_gives_the_starting_policy_mean_zero_std_one(policy_dir, tmp_path):
+    from rlhflab.rollout import generate_answers
+    from rlhflab.trainers.ppo_setup import build_reward
+
+    tokenizer = models.load_tokenizer(policy_dir)
+    rm = models.build_random_reward_model(tokenizer, hidden_size=32, num_layers=1, num_heads=4, intermediate_size=64)
+    models.save_model_folder(tmp_path / "rm", rm, tokenizer)
+    cfg = tiny_cfg(policy_dir, reward="model", reward_model=str(tmp_path / "rm"), normalize_reward=True)
+    roles, tokenizer = build_roles(cfg)
+    items = tasks.build_splits(0, 22, 11, 11)["train"][:16]
+    reward_fn, norm = build_reward(cfg, tokenizer, roles.policy, items)
+    assert norm["calibration_answers"] == 16 and norm["scale"] > 0
+    settings = GenerationSettings(cfg.response_length, True, cfg.temperature)
+    answers = generate_answers(roles.policy, tokenizer, [i.prompt for i in items], settings,
+                               generator=torch.Generator().manual_seed(cfg.seed + 1))  # the calibration answers
+    scores = reward_fn([i.prompt for i in items], [a.text for a in answers], items).scores
+    assert abs(scores.mean().item()) < 1e-4 and abs(scores.std().item() - 1.0) < 1e-3

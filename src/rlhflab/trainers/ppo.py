@@ -164,9 +164,11 @@ def train(cfg: PPOConfig, run: RunDir | None = None, reward_fn=None) -> RunResul
     configure_threads(cfg.threads)
     seed_everything(cfg.seed)
     roles, tokenizer = build_roles(cfg)
-    reward_fn = reward_fn or build_reward(cfg, tokenizer)
     splits = tasks.build_splits(cfg.split_seed, cfg.num_train_prompts, cfg.num_validation_prompts, cfg.num_test_prompts)
     train_items = splits["train"]
+    normalisation: dict = {}
+    if reward_fn is None:
+        reward_fn, normalisation = build_reward(cfg, tokenizer, roles.policy, train_items[: cfg.calibration_prompts])
     prompt_ids = data.encode_prompts(tokenizer, [i.prompt for i in train_items])
     run = run or RunDir(cfg.output_dir or default_run_path("ppo"), overwrite=cfg.overwrite, report_to=cfg.report_to)
     write_config(cfg, run.path / "config.yaml")
@@ -237,7 +239,7 @@ def train(cfg: PPOConfig, run: RunDir | None = None, reward_fn=None) -> RunResul
 
     model_dir = save_ppo_models(roles, tokenizer, run.path)
     summary = run.update_summary(
-        stage="ppo", reward=cfg.reward, updates=num_updates, episodes=episode,
+        stage="ppo", reward=cfg.reward, reward_normalisation=normalisation, updates=num_updates, episodes=episode,
         validation_pass_rate={"start": first["val/pass_rate"], "end": last_eval["val/pass_rate"]},
         final={k: last[k] for k in ("objective/kl", "objective/scores", "objective/rlhf_reward", "eps",
                                     "response/length_mean", "kl_coef")},

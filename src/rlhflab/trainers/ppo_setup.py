@@ -6,9 +6,10 @@ import logging
 
 import torch
 
-from rlhflab import models, rewards
+from rlhflab import models, rewards, tasks
 from rlhflab.config import PPOConfig
 from rlhflab.errors import UserInputError
+from rlhflab.rollout import GenerationSettings, generate_answers
 from rlhflab.rollout.roles import PolicyRoles
 from rlhflab.trainers.setup import check_full_precision, resolve_device
 
@@ -91,18 +92,40 @@ def build_roles(cfg: PPOConfig) -> tuple[PolicyRoles, object]:
     return roles, tokenizer
 
 
-def build_reward(cfg: PPOConfig, tokenizer):
-    """The reward source named by `cfg.reward`, behind one call."""
+def calibrate_reward_model(learned: rewards.ModelReward, policy, tokenizer, items: list[tasks.TaskItem],
+                           cfg: PPOConfig) -> dict:
+    """Shift and scale so the starting policy's own answers score mean 0, std 1.
+
+    The meaning of kl_coef depends on the reward's scale (FACTS.md: normalising RM scores
+    let one beta serve both the checker and the learned reward).
+    """
+    settings = GenerationSettings(cfg.response_length, True, cfg.temperature)
+    generator = torch.Generator().manual_seed(cfg.seed + 1)
+    answers = generate_answers(policy, tokenizer, [i.prompt for i in items], settings, generator=generator)
+    raw = rewards.ModelReward(learned.reward_model, learned.tokenizer)(
+        [i.prompt for i in items], [a.text for a in answers], items).scores
+    shift, scale = raw.mean().item(), max(raw.std().item(), 1e-6)
+    log.info("reward model normalised on %d answers of the starting policy: shift %.3f, scale %.3f",
+             len(items), shift, scale)
+    return {"shift": shift, "scale": scale, "calibration_answers": len(items)}
+
+
+def build_reward(cfg: PPOConfig, tokenizer, policy=None, calibration_items=None) -> tuple[object, dict]:
+    """The reward source named by `cfg.reward`, behind one call, and how RM scores were normalised."""
     checker = rewards.CheckerReward()
     if cfg.reward == "checker":
-        return checker
+        return checker, {}
     if cfg.reward == "random":
         rm = models.build_random_reward_model(tokenizer, seed=cfg.seed).to(resolve_device(cfg.device))
-        return rewards.ModelReward(rm, tokenizer)
+        return rewards.ModelReward(rm, tokenizer), {}
     rm_tokenizer = models.load_tokenizer(cfg.reward_model, trust_remote_code=cfg.trust_remote_code)
     rm = models.load_reward_model(cfg.reward_model, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code,
                                   tokenizer=rm_tokenizer).to(resolve_device(cfg.device))
-    learned = rewards.ModelReward(rm, rm_tokenizer, shift=cfg.reward_shift, scale=cfg.reward_scale)
+    norm = {"shift": cfg.reward_shift, "scale": cfg.reward_scale, "calibration_answers": 0}
+    learned = rewards.ModelReward(rm, rm_tokenizer, shift=norm["shift"], scale=norm["scale"])
+    if cfg.normalize_reward and policy is not None and calibration_items:
+        norm = calibrate_reward_model(learned, policy, tokenizer, calibration_items, cfg)
+        learned = rewards.ModelReward(rm, rm_tokenizer, shift=norm["shift"], scale=norm["scale"])
     if cfg.reward == "model":
-        return learned
-    return rewards.CombinedReward([(checker, cfg.checker_weight), (learned, cfg.reward_model_weight)])
+        return learned, norm
+    return rewards.CombinedReward([(checker, cfg.checker_weight), (learned, cfg.reward_model_weight)]), norm
