@@ -98,3 +98,22 @@ def test_full_finetuning_in_bf16_is_refused():
 
     with pytest.raises(UserInputError, match="lora_r"):
         sft.train(SFTConfig(dtype="bfloat16", max_steps=1))
+
+
+@pytest.mark.parametrize(("name", "stage"), [
+    ("sft_tiny", "sft"), ("sft", "sft"), ("eval", "eval"), ("demo", "demo"),
+    ("ppo_tiny", "ppo"), ("ppo_lora", "ppo"), ("rm_tiny", "rm"),
+])
+def test_shipped_config_files_parse(name, stage):
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "configs" / f"{name}.yaml"
+    cfg = parse_config(STAGES[stage], ["--config", str(path)], prog=f"rlhflab {stage}")
+    assert dataclasses.is_dataclass(cfg)
+
+
+def test_every_shipped_config_file_is_tested():
+    from pathlib import Path
+
+    shipped = {p.stem for p in (Path(__file__).resolve().parents[2] / "configs").glob("*.yaml")}
+    assert shipped == {"sft_tiny", "sft", "eval", "demo", "ppo_tiny", "ppo_lora", "rm_tiny"}
