@@ -42,12 +42,16 @@ class RunFields:
 
 
 @dataclass(frozen=True)
-class ModelFields:
-    model: str = arg("", "causal LM: local folder or hub id; empty = build the tiny default model")
-    tokenizer: str = arg("", "tokenizer folder or hub id; empty = the model's own")
+class LoadFields:
     trust_remote_code: bool = arg(False, "run code shipped with a hub model (off unless you trust it)")
     dtype: str = arg("float32", "weights dtype: float32, bfloat16, float16 or auto")
     device: str = arg("auto", "where models run: auto (cuda if available), cpu, cuda, cuda:1 ...")
+
+
+@dataclass(frozen=True)
+class ModelFields(LoadFields):
+    model: str = arg("", "causal LM: local folder or hub id; empty = build the tiny default model")
+    tokenizer: str = arg("", "tokenizer folder or hub id; empty = the model's own")
 
 
 @dataclass(frozen=True)
@@ -209,7 +213,7 @@ class RMConfig(RunFields, ModelFields, SuiteFields, DataFields, OptimFields):
 
 
 @dataclass(frozen=True)
-class RMDiagnoseConfig(RunFields, SuiteFields, GenerationFields):
+class RMDiagnoseConfig(RunFields, LoadFields, SuiteFields, GenerationFields):
     """`rlhflab rm diagnose`: score the policy's own answers and compare with the checker."""
 
     reward_model: str = arg("", "reward model folder (sequence classifier with one output)")
@@ -218,9 +222,6 @@ class RMDiagnoseConfig(RunFields, SuiteFields, GenerationFields):
     samples_per_prompt: int = arg(2, "answers generated per prompt")
     worst_cases: int = arg(10, "failing answers with the highest reward (and passing with the lowest) to list")
     do_sample: bool = arg(True, "sample answers (a mix of passing and failing) rather than greedy")
-    dtype: str = arg("float32", "weights dtype: float32, bfloat16, float16 or auto")
-    device: str = arg("auto", "where models run: auto (cuda if available), cpu, cuda ...")
-    trust_remote_code: bool = arg(False, "run code shipped with a hub model (off unless you trust it)")
 
 
 @dataclass(frozen=True)

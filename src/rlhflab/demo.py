@@ -16,6 +16,7 @@ from rlhflab.config import (
     DemoConfig,
     EvalConfig,
     GenerationFields,
+    LoadFields,
     PPOConfig,
     RunFields,
     SFTConfig,
@@ -31,12 +32,11 @@ from rlhflab.trainers.setup import resolve_device
 
 # Parts whose values the demo hands to every stage; other fields keep each stage's own defaults
 # (SFT's learning rate is no PPO learning rate).
-SHARED_PARTS = (RunFields, SuiteFields, GenerationFields)
+SHARED_PARTS = (RunFields, LoadFields, SuiteFields, GenerationFields)
 
 
 def shared_fields(demo: DemoConfig) -> dict:
     names = {n for part in SHARED_PARTS for n in field_names(part)} - {"output_dir", "overwrite"}
-    names |= {"trust_remote_code", "dtype", "device"}
     return {n: getattr(demo, n) for n in names}
 
 

@@ -9,7 +9,8 @@ from rlhflab.config import EvalConfig, write_config
 from rlhflab.errors import UserInputError
 from rlhflab.tracking import RunDir, RunResult, default_run_path
 from rlhflab.trainers.setup import configure_threads, resolve_device, seed_everything
-from rlhflab.trainers.validation import checked_answers, pass_rate_table
+from rlhflab.trainers.validation import checked_answers as answer_and_check
+from rlhflab.trainers.validation import pass_rate_table as table_from_rows
 
 
 def eval_items(cfg: EvalConfig) -> list[tasks.TaskItem]:
@@ -19,15 +20,6 @@ def eval_items(cfg: EvalConfig) -> list[tasks.TaskItem]:
         return splits[cfg.split]
     rows = data.load_examples(cfg.prompts_file, "prompts", strict=True)
     return [tasks.TaskItem(r.family or "user", r.prompt, r.reference or "", ()) for r in rows]
-
-
-def answer_and_check(model, tokenizer, items: list[tasks.TaskItem], cfg, progress: bool = True) -> list[dict]:
-    """Every item's answer with its verdict (family, prompt, answer, reference, passed, kind, reason, ...)."""
-    return checked_answers(model, tokenizer, items, cfg, progress=progress)
-
-
-def table_from_rows(rows: list[dict]) -> dict:
-    return pass_rate_table(rows)
 
 
 def format_table(tables: dict[str, dict], title: str = "held-out pass rate") -> str:

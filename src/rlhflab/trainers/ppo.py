@@ -15,6 +15,7 @@ Each update (numbered as in README "PPO, step by step"):
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -54,7 +55,7 @@ def score_rollout(rollout: Rollout, reward_fn, tokenizer, items: list[tasks.Task
     device = rollout.response_ids.device
     scores = scored.scores.float().to(device) - penalty * (~rollout.ended_with_eos).float()
     valid = scored.valid.to(device) & torch.isfinite(scores)
-    return torch.where(valid, scores, torch.zeros_like(scores)), valid, texts
+    return torch.where(valid, scores, torch.zeros_like(scores)), valid
 
 
 def token_rewards(scores, kl, response_mask, kl_coef: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -134,7 +135,7 @@ def average_stats(history: list[dict]) -> dict:
     return out
 
 
-def rollout_metrics(rollout, scores, kl, non_score, advantages_raw, returns, kl_coef, valid) -> dict:
+def rollout_metrics(rollout, scores, kl, non_score, returns, kl_coef, valid) -> dict:
     mask = rollout.response_mask
     lengths = mask.sum(dim=1).float()
     kl_seq = (kl * mask).sum(dim=1)[valid]  # rows the reward failed on are out of the update
@@ -201,7 +202,7 @@ def train(cfg: PPOConfig, run: RunDir | None = None, reward_fn=None) -> RunResul
                                   eos_id=tokenizer.eos_token_id, settings=settings, generator=sampler)
         t1 = time.time()
         # 3. scores, with the missing-EOS penalty; rows the reward failed on are masked out
-        scores, valid, _ = score_rollout(rollout, reward_fn, tokenizer, items, cfg.missing_eos_penalty)
+        scores, valid = score_rollout(rollout, reward_fn, tokenizer, items, cfg.missing_eos_penalty)
         if not valid.any():
             raise FloatingPointError(f"update {update}: the reward source failed on every row of the batch")
         mask = rollout.response_mask & valid.unsqueeze(1)
@@ -216,7 +217,7 @@ def train(cfg: PPOConfig, run: RunDir | None = None, reward_fn=None) -> RunResul
             advantages = whiten(advantages, mask)
         t2 = time.time()
         # 6. PPO epochs over minibatches
-        masked_rollout = rollout if bool(valid.all()) else _with_mask(rollout, mask)
+        masked_rollout = rollout if bool(valid.all()) else dataclasses.replace(rollout, response_mask=mask)
         stats = ppo_epochs(roles, optimizer, scheduler, masked_rollout, advantages, returns, cfg, generator, update)
         t3 = time.time()
         # 7. KL coefficient, metrics, periodic evaluation
@@ -225,7 +226,7 @@ def train(cfg: PPOConfig, run: RunDir | None = None, reward_fn=None) -> RunResul
         episode += cfg.batch_size
         generated_tokens = int(rollout.response_mask.sum().item())
         last = {
-            **rollout_metrics(rollout, scores, kl, non_score, advantages, returns, kl_coef_used, valid),
+            **rollout_metrics(rollout, scores, kl, non_score, returns, kl_coef_used, valid),
             **_ppo_names(stats), "lr": scheduler.get_last_lr()[0], "episode": episode,
             "eps": cfg.batch_size / (t3 - t0), "tokens_per_s": generated_tokens / max(rollout.seconds["generation"], 1e-9),
             "time/generation": rollout.seconds["generation"], "time/scoring": rollout.seconds["forward"] + (t2 - t1),
@@ -247,12 +248,6 @@ def train(cfg: PPOConfig, run: RunDir | None = None, reward_fn=None) -> RunResul
     )
     run.close()
     return RunResult(run.path, summary, model_dir)
-
-
-def _with_mask(rollout: Rollout, mask) -> Rollout:
-    from dataclasses import replace
-
-    return replace(rollout, response_mask=mask)
 
 
 def _ppo_names(stats: dict) -> dict:
