@@ -23,7 +23,7 @@ from rlhflab.errors import UserInputError  # noqa: E402
 USAGE = """usage: rlhflab <stage> [--config FILE.yaml] [--field value ...]
 
 stages:
-  demo           tiny model -> SFT -> PPO (checker reward) -> held-out pass rates, on a CPU
+  demo           tiny model -> SFT -> PPO (checker) and RM -> PPO (RM) -> held-out pass rates, on a CPU
   sft            supervised fine-tuning (completion-only loss)
   eval           generate answers to a split's prompts and check them
   rm             reward model: Bradley-Terry on (prompt, chosen, rejected) pairs
@@ -42,8 +42,16 @@ def run_demo(cfg) -> int:
     result = demo(cfg)
     summary = result.summary
     print(format_table(summary["test_tables"], title=f"test pass rate ({summary['decoding']})"))
-    if summary.get("kl_to_reference"):
-        print(f"KL to the reference at the end of PPO: {summary['kl_to_reference']['ppo']:.2f} nats per response")
+    if summary.get("test_rm_score"):
+        scores = summary["test_rm_score"]
+        print(f"{'RM score':<12}  " + "  ".join(f"{scores[name]:>8.2f}" for name in summary["test_tables"]))
+    for name, kl in summary["kl_to_reference"].items():
+        print(f"KL to the reference at the end of {name}: {kl:.2f} nats per response")
+    if summary.get("rm"):
+        rm = summary["rm"]
+        print(f"reward model: test pairwise accuracy {rm['test_accuracy']:.1%}, margin {rm['margin']:.2f}; on the SFT "
+              f"policy's own answers reward passing {rm['mean_reward_passing']:.2f} vs failing "
+              f"{rm['mean_reward_failing']:.2f}, correlation with pass/fail {rm['pass_fail_correlation']:.3f}")
     print(f"\nrun folder: {result.run_dir}   wall time: {summary['wall_time_s']['total']:.0f} s")
     return 0
 

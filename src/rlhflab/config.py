@@ -62,6 +62,7 @@ class TinyModelFields:
     num_heads: int = arg(4, "tiny model attention heads")
     intermediate_size: int = arg(256, "tiny model MLP width")
     vocab_size: int = arg(384, "BPE vocabulary size of the tiny tokenizer")
+    syllable_tokens: bool = arg(False, "tiny tokenizer: content syllables (consonant+vowel) are single tokens")
 
 
 @dataclass(frozen=True)
@@ -226,17 +227,21 @@ class RMDiagnoseConfig(RunFields, LoadFields, SuiteFields, GenerationFields):
 
 @dataclass(frozen=True)
 class DemoConfig(SFTConfig):
-    """`rlhflab demo`: tiny model -> SFT -> PPO (checker reward) -> held-out evaluation of both, on a CPU.
+    """`rlhflab demo`: tiny model -> SFT -> PPO (checker) | RM -> diagnosis -> PPO (RM) -> held-out evaluation.
 
     Fields without a prefix configure the SFT stage (and the suite, decoding and run);
-    the PPO stage takes PPOConfig's defaults, the `ppo_*` fields below and `ppo_config`.
+    the PPO stages take PPOConfig's defaults, the `ppo_*` fields below and `ppo_config`;
+    the reward model takes RMConfig's defaults, `rm_epochs` and `rm_config`.
     """
 
-    run_ppo: bool = arg(True, "run the PPO stage after SFT")
-    ppo_config: str = arg("", "YAML of PPOConfig fields for the demo's PPO stage (e.g. configs/ppo_tiny.yaml)")
-    ppo_total_episodes: int = arg(3840, "PPO stage: responses generated")
-    ppo_learning_rate: float = arg(1e-4, "PPO stage: learning rate")
-    ppo_kl_coef: float = arg(0.05, "PPO stage: KL penalty coefficient beta")
+    run_ppo: bool = arg(True, "run the PPO stage with the task checker as reward")
+    run_rm: bool = arg(True, "train a reward model on the suite's pairs, diagnose it, and run PPO with it as reward")
+    ppo_config: str = arg("", "YAML of PPOConfig fields for the demo's PPO stages (e.g. configs/ppo_tiny.yaml)")
+    ppo_total_episodes: int = arg(3840, "PPO stages: responses generated")
+    ppo_learning_rate: float = arg(1e-4, "PPO stages: learning rate")
+    ppo_kl_coef: float = arg(0.05, "PPO stages: KL penalty coefficient beta")
+    rm_config: str = arg("", "YAML of RMConfig fields for the demo's reward model (e.g. configs/rm_tiny.yaml)")
+    rm_epochs: int = arg(1, "reward model: passes over the pairs")
 
 
 STAGES: dict[str, type] = {

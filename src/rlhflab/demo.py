@@ -2,22 +2,31 @@
 
     tiny tokenizer + Llama-style model  ->  SFT on the built-in suite
     ->  PPO with the task checker as reward (verifiable reward)
-    ->  held-out test pass rate of both, per family, same decoding
+    ->  reward model on the suite's preference pairs  ->  its diagnosis on the
+        SFT policy's own answers  ->  PPO with the reward model as reward
+        (the checker only evaluates)
+    ->  held-out test pass rate of every model, per family, same decoding, next
+        to the reward-model score each one's answers get
 
-The reward-model stage slots in beside the checker-reward PPO run later.
+The last table is the seeds' lesson on the user's screen: a reward model's
+score and the real pass rate can part ways.
 """
 
 from __future__ import annotations
 
 import time
 
-from rlhflab import models
+import torch
+
+from rlhflab import models, rewards
 from rlhflab.config import (
     DemoConfig,
     EvalConfig,
     GenerationFields,
     LoadFields,
     PPOConfig,
+    RMConfig,
+    RMDiagnoseConfig,
     RunFields,
     SFTConfig,
     SuiteFields,
@@ -26,8 +35,9 @@ from rlhflab.config import (
     write_config,
 )
 from rlhflab.eval import answer_and_check, eval_items, table_from_rows
+from rlhflab.eval.rm_diagnosis import diagnose
 from rlhflab.tracking import RunDir, RunResult, default_run_path
-from rlhflab.trainers import ppo, sft
+from rlhflab.trainers import ppo, reward, sft
 from rlhflab.trainers.setup import resolve_device
 
 # Parts whose values the demo hands to every stage; other fields keep each stage's own defaults
@@ -35,31 +45,76 @@ from rlhflab.trainers.setup import resolve_device
 SHARED_PARTS = (RunFields, LoadFields, SuiteFields, GenerationFields)
 
 
-def shared_fields(demo: DemoConfig) -> dict:
+def shared_fields(demo: DemoConfig, stage_cls: type) -> dict:
+    """The demo's values of the shared parts that `stage_cls` has."""
     names = {n for part in SHARED_PARTS for n in field_names(part)} - {"output_dir", "overwrite"}
-    return {n: getattr(demo, n) for n in names}
+    return {n: getattr(demo, n) for n in names & set(field_names(stage_cls))}
 
 
-def ppo_stage_config(demo: DemoConfig, model_dir: str, out: str) -> PPOConfig:
-    values = {**shared_fields(demo), "temperature": PPOConfig().temperature}
+def ppo_stage_config(demo: DemoConfig, model_dir: str, out: str, **reward_fields) -> PPOConfig:
+    values = {**shared_fields(demo, PPOConfig), "temperature": PPOConfig().temperature}
     values |= {"total_episodes": demo.ppo_total_episodes, "learning_rate": demo.ppo_learning_rate,
                "kl_coef": demo.ppo_kl_coef, "lr_schedule": "constant"}
     if demo.ppo_config:
         values |= read_yaml_config(demo.ppo_config, PPOConfig)
-    return PPOConfig(**{**values, "model": model_dir, "tokenizer": "", "output_dir": out, "overwrite": True})
+    return PPOConfig(**{**values, **reward_fields, "model": model_dir, "tokenizer": "", "output_dir": out,
+                        "overwrite": True})
 
 
-def test_table(run: RunDir, name: str, model_dir, demo: DemoConfig) -> dict:
-    """Held-out test pass rate of one model, answers appended to the demo's samples."""
-    cfg = EvalConfig(**{**shared_fields(demo), "model": str(model_dir), "split": "test"})
+def rm_stage_config(demo: DemoConfig, model_dir: str, out: str) -> RMConfig:
+    values = {**shared_fields(demo, RMConfig), "num_epochs": demo.rm_epochs}
+    if demo.rm_config:
+        values |= read_yaml_config(demo.rm_config, RMConfig)
+    return RMConfig(**{**values, "model": model_dir, "tokenizer": "", "output_dir": out, "overwrite": True})
+
+
+def diagnose_stage_config(demo: DemoConfig, rm_dir: str, policy_dir: str, out: str) -> RMDiagnoseConfig:
+    values = {**shared_fields(demo, RMDiagnoseConfig), "do_sample": True, "temperature": 1.0}
+    return RMDiagnoseConfig(**{**values, "reward_model": rm_dir, "policy": policy_dir, "split": "test",
+                               "output_dir": out, "overwrite": True, "progress": False})
+
+
+def test_answers(run: RunDir, name: str, model_dir, demo: DemoConfig) -> list[dict]:
+    """One model's checked answers to the test split, appended to the demo's samples."""
+    cfg = EvalConfig(**{**shared_fields(demo, EvalConfig), "model": str(model_dir), "split": "test"})
     model = models.load_causal_lm(cfg.model, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code,
                                   device=resolve_device(cfg.device))
     tokenizer = models.load_tokenizer(cfg.model, trust_remote_code=cfg.trust_remote_code)
     rows = answer_and_check(model, tokenizer, eval_items(cfg), cfg, progress=False)
     run.add_samples({"stage": name, **row} for row in rows)
-    table = table_from_rows(rows)
-    run.log({f"test/pass_rate/{name}": table["overall"]}, step=0)
-    return table
+    run.log({f"test/pass_rate/{name}": table_from_rows(rows)["overall"]}, step=0)
+    return rows
+
+
+def mean_rm_scores(rm_dir, answers: dict[str, list[dict]], demo: DemoConfig) -> dict[str, float]:
+    """Mean raw reward-model score of each model's test answers (the RM's view of each model)."""
+    device = resolve_device(demo.device)
+    tokenizer = models.load_tokenizer(str(rm_dir), trust_remote_code=demo.trust_remote_code)
+    rm = models.load_reward_model(str(rm_dir), dtype=demo.dtype, trust_remote_code=demo.trust_remote_code,
+                                  tokenizer=tokenizer).to(device)
+    score = rewards.ModelReward(rm, tokenizer)
+    means = {}
+    with torch.no_grad():
+        for name, rows in answers.items():
+            scored = score([r["prompt"] for r in rows], [r["answer"] for r in rows], [None] * len(rows))
+            means[name] = round(float(scored.scores.mean()), 4)
+    return means
+
+
+def reward_model_stages(cfg: DemoConfig, run: RunDir, sft_dir: str) -> tuple[dict, RunResult, RunResult]:
+    """3-5: reward model from the SFT model, its diagnosis, PPO with it as the reward."""
+    rm_result = reward.train(rm_stage_config(cfg, sft_dir, str(run.path / "rm")))
+    diagnosis = diagnose(diagnose_stage_config(cfg, str(rm_result.model_dir), sft_dir, str(run.path / "rm_diagnosis")))
+    ppo_cfg = ppo_stage_config(cfg, sft_dir, str(run.path / "ppo_rm"), reward="model",
+                               reward_model=str(rm_result.model_dir), normalize_reward=True)
+    ppo_rm_result = ppo.train(ppo_cfg)
+    test = rm_result.summary["pairs"]["test"]
+    d = diagnosis.summary["rm_diagnosis"]
+    rm_summary = {"test_accuracy": test["accuracy"], "margin": test["margin"],
+                  "pass_fail_correlation": d["point_biserial"], "roc_auc": d["roc_auc"],
+                  "mean_reward_passing": d["mean_reward_passing"], "mean_reward_failing": d["mean_reward_failing"],
+                  "normalisation": ppo_rm_result.summary["reward_normalisation"]}
+    return rm_summary, rm_result, ppo_rm_result
 
 
 def run_demo(cfg: DemoConfig) -> RunResult:
@@ -67,30 +122,48 @@ def run_demo(cfg: DemoConfig) -> RunResult:
     run = RunDir(cfg.output_dir or default_run_path("demo"), overwrite=cfg.overwrite, report_to=cfg.report_to)
     write_config(cfg, run.path / "config.yaml")
     run.write_versions()
-    walls, tables, runs = {}, {}, {}
+    walls, answers, runs, finals = {}, {}, {}, {}
+
+    def timed(name: str, t0: float) -> None:
+        walls[name] = time.time() - t0
 
     # 1. SFT from scratch: builds the tokenizer and tiny model, trains, saves run/sft/model
     sft_values = {n: getattr(cfg, n) for n in field_names(SFTConfig)}
     sft_result = sft.train(SFTConfig(**{**sft_values, "output_dir": str(run.path / "sft"), "overwrite": True}))
-    walls["sft"], runs["sft"] = time.time() - started, str(sft_result.run_dir)
-    tables["sft"] = test_table(run, "sft", sft_result.model_dir, cfg)
+    timed("sft", started)
+    sft_dir, runs["sft"] = str(sft_result.model_dir), str(sft_result.run_dir)
+    answers["sft"] = test_answers(run, "sft", sft_dir, cfg)
 
-    # 2. PPO from the SFT model, with the task checker as reward (the RM stage adds a learned one)
-    final_kl = None
+    # 2. PPO from the SFT model, with the task checker as reward
     if cfg.run_ppo:
         t0 = time.time()
-        ppo_cfg = ppo_stage_config(cfg, str(sft_result.model_dir), str(run.path / "ppo"))
-        ppo_result = ppo.train(ppo_cfg)
-        walls["ppo"], runs["ppo"] = time.time() - t0, str(ppo_result.run_dir)
-        final_kl = ppo_result.summary["final"]["objective/kl"]
-        tables["ppo"] = test_table(run, "ppo", ppo_result.model_dir, cfg)
+        result = ppo.train(ppo_stage_config(cfg, sft_dir, str(run.path / "ppo")))
+        timed("ppo", t0)
+        runs["ppo"], finals["ppo"] = str(result.run_dir), result.summary["final"]
+        answers["ppo"] = test_answers(run, "ppo", result.model_dir, cfg)
 
+    # 3-5. reward model -> diagnosis -> PPO with the learned reward (the checker only evaluates)
+    rm_summary, rm_scores = {}, {}
+    if cfg.run_rm:
+        t0 = time.time()
+        rm_summary, rm_result, result = reward_model_stages(cfg, run, sft_dir)
+        timed("rm_and_ppo_rm", t0)
+        runs |= {"rm": str(rm_result.run_dir), "rm_diagnosis": str(run.path / "rm_diagnosis"),
+                 "ppo_rm": str(result.run_dir)}
+        finals["ppo_rm"] = result.summary["final"]
+        answers["ppo_rm"] = test_answers(run, "ppo_rm", result.model_dir, cfg)
+        # 6. the reward model's view of every model's test answers, beside their pass rates
+        rm_scores = mean_rm_scores(rm_result.model_dir, answers, cfg)
+
+    tables = {name: table_from_rows(rows) for name, rows in answers.items()}
     walls["total"] = time.time() - started
     summary = run.update_summary(
         stage="demo",
         test_pass_rate={name: t["overall"] for name, t in tables.items()},
+        test_rm_score=rm_scores,
         test_tables=tables,
-        kl_to_reference={"ppo": final_kl} if final_kl is not None else {},
+        rm=rm_summary,
+        kl_to_reference={name: f["objective/kl"] for name, f in finals.items()},
         decoding="sampled" if cfg.do_sample else "greedy",
         sft_validation=sft_result.summary.get("validation"),
         parameters=sft_result.summary.get("parameters"),
@@ -99,4 +172,3 @@ def run_demo(cfg: DemoConfig) -> RunResult:
     )
     run.close()
     return RunResult(run.path, summary, sft_result.model_dir)
-

@@ -36,18 +36,25 @@ def demo_run(tmp_path_factory):
 
 def test_demo_prints_the_pass_rate_table_and_writes_a_full_run_folder(demo_run):
     out, proc = demo_run
-    assert "test pass rate (greedy)" in proc.stdout and "overall" in proc.stdout and "ppo" in proc.stdout
+    assert "test pass rate (greedy)" in proc.stdout and "overall" in proc.stdout and "ppo_rm" in proc.stdout
+    assert "RM score" in proc.stdout and "correlation with pass/fail" in proc.stdout
     for name in ("config.yaml", "metrics.jsonl", "samples.jsonl", "versions.json", "summary.json"):
         assert (out / name).is_file(), name
     summary = json.loads((out / "summary.json").read_text())
-    assert set(summary["test_pass_rate"]) == {"sft", "ppo"} and "ppo" in summary["kl_to_reference"]
+    assert set(summary["test_pass_rate"]) == {"sft", "ppo", "ppo_rm"} and set(summary["kl_to_reference"]) == {"ppo", "ppo_rm"}
+    assert set(summary["test_rm_score"]) == {"sft", "ppo", "ppo_rm"}
+    assert {"test_accuracy", "margin", "pass_fail_correlation"} <= set(summary["rm"])
     samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
-    assert len(samples) == 22 and {"stage", "prompt", "answer", "passed", "reason"} <= set(samples[0])
-    for stage in ("sft", "ppo"):
+    assert len(samples) == 33 and {"stage", "prompt", "answer", "passed", "reason"} <= set(samples[0])
+    for stage in ("sft", "ppo", "ppo_rm"):
         passed = [s["passed"] for s in samples if s["stage"] == stage]
         assert sum(passed) / 11 == pytest.approx(summary["test_pass_rate"][stage])
-    ppo_rows = [json.loads(line) for line in (out / "ppo" / "metrics.jsonl").read_text().splitlines()]
-    assert any("objective/kl" in r for r in ppo_rows) and any("val/pass_rate" in r for r in ppo_rows)
+    for stage in ("ppo", "ppo_rm"):
+        rows = [json.loads(line) for line in (out / stage / "metrics.jsonl").read_text().splitlines()]
+        assert any("objective/kl" in r for r in rows) and any("val/pass_rate" in r for r in rows)
+    ppo_rm = json.loads((out / "ppo_rm" / "summary.json").read_text())
+    assert ppo_rm["reward"] == "model" and ppo_rm["reward_normalisation"]["calibration_answers"] == 22
+    assert (out / "rm" / "model" / "model.safetensors").is_file() and (out / "rm_diagnosis" / "worst_cases.md").is_file()
     for line in (out / "sft" / "metrics.jsonl").read_text().splitlines():
         assert "step" in json.loads(line)
     versions = json.loads((out / "versions.json").read_text())
