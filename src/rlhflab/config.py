@@ -62,7 +62,6 @@ class TinyModelFields:
     num_heads: int = arg(4, "tiny model attention heads")
     intermediate_size: int = arg(256, "tiny model MLP width")
     vocab_size: int = arg(384, "BPE vocabulary size of the tiny tokenizer")
-    syllable_tokens: bool = arg(False, "tiny tokenizer: content syllables (consonant+vowel) are single tokens")
 
 
 @dataclass(frozen=True)

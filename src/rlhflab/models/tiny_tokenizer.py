@@ -39,44 +39,31 @@ def template_words(corpus: list[str]) -> list[str]:
     return sorted(words, key=lambda w: (-len(w), w))
 
 
-def _split_pattern(words: list[str], pieces: tuple[str, ...] = ()) -> str:
-    """Regex whose matches are pre-tokens: a whole template word, a content piece, or one character.
+def _split_pattern(words: list[str]) -> str:
+    """Regex whose matches are pre-tokens: a whole template word, or one character.
 
     A word counts only when it stands alone: not preceded or followed by a letter
     ("the" inside "there" is spelled out). An optional single leading space is
-    kept with the word, like GPT-2's " word" pieces. Content pieces (e.g. the
-    syllables content words are made of) match anywhere, longest first.
+    kept with the word, like GPT-2's " word" pieces.
     """
-    alternatives = []
-    if words:
-        alternation = "|".join(re.escape(w) for w in words)
-        alternatives.append(rf" ?(?<![A-Za-z])(?:{alternation})(?![A-Za-z])")
-    if pieces:
-        alternatives.append("|".join(re.escape(p) for p in sorted(pieces, key=lambda p: (-len(p), p))))
-    alternatives.append(r"[\s\S]")  # any one character, newlines included
-    return "|".join(alternatives)
+    alternation = "|".join(re.escape(w) for w in words)
+    word = rf" ?(?<![A-Za-z])(?:{alternation})(?![A-Za-z])" if words else None
+    single = r"[\s\S]"  # any one character, newlines included
+    return f"{word}|{single}" if word else single
 
 
-def build_tokenizer(
-    corpus: list[str], vocab_size: int = 384, content_pieces: tuple[str, ...] = ()
-) -> PreTrainedTokenizerFast:
+def build_tokenizer(corpus: list[str], vocab_size: int = 384) -> PreTrainedTokenizerFast:
     """Train a byte-level BPE tokenizer on `corpus` (template text + an alphabet line).
 
     Pieces: the 256 byte symbols, `<|pad|>` (id 0), `<|endoftext|>` (id 1), and
-    merges that build template words, then `content_pieces` (each becomes one
-    token wherever it occurs, so unseen words built from them are spelled in
-    pieces the model saw in training). The vocabulary may stop short of
-    `vocab_size` once every word and piece is a single token. No BOS token;
+    merges that build template words. The vocabulary may stop short of
+    `vocab_size` once every template word is a single piece. No BOS token;
     padding side is the default (right) — generation code left-pads itself.
     """
-    corpus = [*corpus, " ".join(content_pieces)] if content_pieces else corpus
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
         [
-            pre_tokenizers.Split(
-                Regex(_split_pattern(template_words(corpus[:-1] if content_pieces else corpus), content_pieces)),
-                behavior="isolated",
-            ),
+            pre_tokenizers.Split(Regex(_split_pattern(template_words(corpus))), behavior="isolated"),
             # a no-op after the split above; kept so digits stay single tokens
             # even if the word pattern ever changes
             pre_tokenizers.Digits(individual_digits=True),

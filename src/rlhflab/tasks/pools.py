@@ -56,15 +56,6 @@ PSEUDO_WORDS: tuple[str, ...] = tuple(
 )
 WORDS: tuple[str, ...] = REAL_WORDS + PSEUDO_WORDS
 
-
-def content_syllables() -> tuple[str, ...]:
-    """The consonant-vowel syllables made-up words are built from, lower and upper case.
-
-    As tokenizer pieces they halve the length of a made-up word and every one of
-    them occurs in the train split, so unseen test words stay made of known tokens.
-    """
-    return _SYLLABLES + tuple(s.upper() for s in _SYLLABLES)
-
 NUMBERS: tuple[int, ...] = tuple(range(1, 1000))  # ~600 train numbers: too many to memorise one by one
 
 SPLITS: tuple[str, ...] = ("train", "validation", "test")

@@ -54,8 +54,7 @@ def load_or_build_policy(cfg) -> tuple[torch.nn.Module, object]:
         tokenizer = models.load_tokenizer(cfg.tokenizer or cfg.model, trust_remote_code=cfg.trust_remote_code)
         model = models.load_causal_lm(cfg.model, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code)
         return model, tokenizer
-    pieces = tasks.content_syllables() if cfg.syllable_tokens else ()
-    tokenizer = models.build_tokenizer(tasks.template_corpus(), vocab_size=cfg.vocab_size, content_pieces=pieces)
+    tokenizer = models.build_tokenizer(tasks.template_corpus(), vocab_size=cfg.vocab_size)
     model = models.build_tiny_model(
         tokenizer,
         arch=cfg.arch,
