@@ -203,6 +203,9 @@ class RMConfig(RunFields, ModelFields, SuiteFields, DataFields, OptimFields):
 
     pair_kinds: str = arg("", "built-in suite: violation kinds of the rejected answers (comma-separated); empty = all")
     pairs_per_prompt: int = arg(3, "built-in suite: rejected answers per prompt")
+    hard_negatives: int = arg(
+        0, "built-in suite: answers sampled per prompt from --model (the policy); each failing one becomes a "
+           "rejected answer against the reference, so the RM learns the policy's own mistakes; 0 = off")
     num_epochs: int = arg(1, "passes over the training pairs (reward models overfit fast)")
     batch_size: int = arg(32, "pairs per optimiser step")
     margin: float = arg(0.0, "Bradley-Terry margin: -log sigmoid(r_c - r_r - margin)")

@@ -54,3 +54,25 @@ def test_evaluate_pairs_counts_hand_made_scores(backbone_dir, monkeypatch):
 def test_no_pairs_of_the_asked_kind_is_a_clear_error(backbone_dir, tmp_path):
     with pytest.raises(UserInputError):
         reward.train(tiny_rm_cfg(backbone_dir, tmp_path, pair_kinds="no_such_kind"))
+
+
+def test_hard_negatives_are_the_policys_distinct_failing_answers_against_the_reference(backbone_dir, tmp_path):
+    cfg = tiny_rm_cfg(backbone_dir, tmp_path, hard_negatives=3)
+    tokenizer = models.load_tokenizer(backbone_dir)
+    items = tasks.build_splits(0, 22, 11, 11)["test"]
+    pairs = reward.hard_negative_pairs(cfg, tokenizer, items)
+    assert pairs, "an untrained backbone fails nearly everything"
+    by_prompt = {i.prompt: i for i in items}
+    for pair in pairs:
+        item = by_prompt[pair.prompt]
+        assert pair.chosen == item.reference and pair.violation == reward.HARD_NEGATIVE
+        assert not tasks.check(item, pair.rejected, True).passed
+    assert len({(p.prompt, p.rejected) for p in pairs}) == len(pairs) <= 3 * len(items)
+
+
+def test_hard_negatives_join_every_split_and_are_refused_for_a_users_pairs_file(backbone_dir, tmp_path):
+    cfg = tiny_rm_cfg(backbone_dir, tmp_path, hard_negatives=1)
+    pairs = reward.load_pairs(cfg, models.load_tokenizer(backbone_dir))
+    assert all(any(p.violation == reward.HARD_NEGATIVE for p in split) for split in pairs.values())
+    with pytest.raises(UserInputError, match="hard negatives"):
+        reward.load_pairs(tiny_rm_cfg(backbone_dir, tmp_path, hard_negatives=1, train_file="x.jsonl"), None)

@@ -24,6 +24,7 @@ from rlhflab import data, models, tasks
 from rlhflab.config import RMConfig, write_config
 from rlhflab.core import bradley_terry_loss, reward_centering_penalty
 from rlhflab.errors import UserInputError
+from rlhflab.rollout import GenerationSettings, generate_answers
 from rlhflab.tracking import RunDir, RunResult, default_run_path
 from rlhflab.trainers.setup import (
     configure_threads,
@@ -34,6 +35,7 @@ from rlhflab.trainers.setup import (
 )
 
 log = logging.getLogger("rlhflab")
+HARD_NEGATIVE_TOKENS = 32  # response cap when sampling the policy's answers
 
 
 @dataclass(frozen=True)
@@ -62,8 +64,38 @@ def suite_pairs(cfg: RMConfig) -> dict[str, list[data.PairExample]]:
     return out
 
 
+HARD_NEGATIVE = "policy_answer"  # the violation label of a hard negative: the policy's own failing answer
+
+
+def hard_negative_pairs(cfg: RMConfig, tokenizer, items: list[tasks.TaskItem]) -> list[data.PairExample]:
+    """Sample `cfg.hard_negatives` answers per prompt from the policy; distinct failing ones vs the reference."""
+    policy = models.load_causal_lm(cfg.model, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code,
+                                   device=resolve_device(cfg.device))
+    settings = GenerationSettings(HARD_NEGATIVE_TOKENS, True, 1.0)
+    repeated = [item for item in items for _ in range(cfg.hard_negatives)]
+    answers = generate_answers(policy, tokenizer, [i.prompt for i in repeated], settings,
+                               generator=torch.Generator().manual_seed(cfg.seed), progress=cfg.progress)
+    seen, pairs = set(), []
+    for item, answer in zip(repeated, answers):
+        if tasks.check(item, answer.text, answer.ended_with_eos).passed or (item.prompt, answer.text) in seen:
+            continue
+        seen.add((item.prompt, answer.text))
+        pairs.append(data.PairExample(item.prompt, item.reference, answer.text, item.family, HARD_NEGATIVE))
+    return pairs
+
+
 def load_pairs(cfg: RMConfig, tokenizer) -> dict[str, list[TokenizedPair]]:
+    if cfg.hard_negatives and cfg.train_file:
+        raise UserInputError("hard negatives need the built-in suite's checker", "--hard_negatives",
+                             "drop --hard_negatives, or add the policy's failing answers to your pairs file")
     pairs = suite_pairs(cfg)
+    if cfg.hard_negatives:
+        splits = tasks.build_splits(cfg.split_seed, cfg.num_train_prompts, cfg.num_validation_prompts,
+                                    cfg.num_test_prompts)
+        for split, items in splits.items():
+            pairs[split] += hard_negative_pairs(cfg, tokenizer, items)
+        log.info("hard negatives (the policy's failing answers): %s",
+                 {s: sum(p.violation == HARD_NEGATIVE for p in v) for s, v in pairs.items()})
     for split, path in (("train", cfg.train_file), ("validation", cfg.validation_file)):
         if path:
             pairs[split] = data.load_examples(path, "pairs", tokenizer=tokenizer,
