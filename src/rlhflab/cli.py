@@ -1,6 +1,6 @@
 """`rlhflab <stage> --config file.yaml --field value`.
 
-Stages: demo, sft, eval, rm, ppo, tasks export. `rlhflab <stage> --help` lists every
+Stages: demo, sft, eval, rm, rm diagnose, ppo, tasks export, report. `rlhflab <stage> --help` lists every
 field with its default and help.
 """
 
@@ -30,9 +30,22 @@ stages:
   rm diagnose    score the policy's own answers: reward of passing vs failing, correlation, AUC
   ppo            PPO-RLHF: policy, reference, reward (checker or model) and value
   tasks export   write the built-in suite as JSONL (sft / pairs / prompts per split)
+  report         RUN_DIR -> RUN_DIR/report.html; RUN_A RUN_B ... [--out FILE] -> one page comparing the runs
 
 `rlhflab <stage> --help` lists every field with its default and help.
 """
+
+
+def print_report(run_dir: Path) -> None:
+    """Each training command ends with its report.html. The run's files are already written, so a
+    failure here is logged with the command to retry rather than turning a finished run into an error."""
+    from rlhflab.report import write_report
+
+    try:
+        print(f"report: {write_report(run_dir)}")
+    except Exception as err:  # noqa: BLE001
+        logging.getLogger("rlhflab").warning(
+            "report not written (%s: %s); retry with `rlhflab report %s`", type(err).__name__, err, run_dir)
 
 
 def run_demo(cfg) -> int:
@@ -53,6 +66,7 @@ def run_demo(cfg) -> int:
               f"policy's own answers reward passing {rm['mean_reward_passing']:.2f} vs failing "
               f"{rm['mean_reward_failing']:.2f}, correlation with pass/fail {rm['pass_fail_correlation']:.3f}")
     print(f"\nrun folder: {result.run_dir}   wall time: {summary['wall_time_s']['total']:.0f} s")
+    print_report(result.run_dir)
     return 0
 
 
@@ -63,6 +77,7 @@ def run_sft(cfg) -> int:
     validation = result.summary.get("validation", {})
     print(f"model: {result.model_dir}")
     print("validation: " + ", ".join(f"{k} {v:.3f}" for k, v in validation.items()))
+    print_report(result.run_dir)
     return 0
 
 
@@ -102,6 +117,7 @@ def run_rm(cfg) -> int:
     for split, m in result.summary["pairs"].items():
         print(f"{split:>10}: pairwise accuracy {m['accuracy']:.1%}, margin {m['margin']:.2f} ({m['pairs']} pairs)")
     print(f"reward model: {result.model_dir}")
+    print_report(result.run_dir)
     return 0
 
 
@@ -118,18 +134,56 @@ def run_rm_diagnose(cfg) -> int:
 
 
 def run_ppo(cfg) -> int:
+    from rlhflab.eval import RunMonitor
     from rlhflab.trainers import ppo
 
-    result = ppo.train(cfg)
+    result = ppo.train(cfg, monitor=RunMonitor.from_config(cfg))  # bad stop_on_alarms fails before any work
     summary = result.summary
     rate = summary["validation_pass_rate"]
     print(f"validation pass rate {rate['start']:.1%} -> {rate['end']:.1%}; final KL {summary['final']['objective/kl']:.2f}"
           f" nats; {summary['final']['eps']:.0f} episodes/s")
+    for alarm in summary.get("alarms", []):
+        print(f"alarm {alarm['name']} at update {alarm['step']}: {alarm['reason']}")
+    if summary.get("stopped"):
+        print(f"stopped early at update {summary['stopped']['step']}: {summary['stopped']['reason']}")
+    best = summary.get("best") or {}
+    if best.get("restored"):
+        print(f"saved the best policy: update {best['step']}, validation pass rate {best['val/pass_rate']:.1%}")
     print(f"model: {result.model_dir}")
+    print_report(result.run_dir)
     return 0
 
 
-COMMANDS = {"demo": run_demo, "sft": run_sft, "eval": run_eval, "ppo": run_ppo, "rm": run_rm, "rm diagnose": run_rm_diagnose, "tasks export": run_tasks_export}
+def run_report(cfg) -> int:
+    from rlhflab.report import check_run_folder, write_comparison, write_report
+
+    if not cfg.runs:
+        raise UserInputError("no run folder given", "rlhflab report", "usage: rlhflab report RUN_DIR [RUN_DIR ...] [--out FILE]")
+    folders = [check_run_folder(path) for path in cfg.runs]  # every bad path is named before any work
+    if len(folders) == 1:
+        print(write_report(folders[0], cfg.out or None))
+    else:
+        print(write_comparison(folders, cfg.out or "comparison.html"))
+    return 0
+
+
+def runs_as_flag(args: list[str]) -> list[str]:
+    """`report A B --out f` -> `--runs A B --out f`: folders are positional for the user, a field for the parser."""
+    if "--runs" in args:
+        return args
+    runs, rest, i = [], [], 0
+    while i < len(args):
+        if args[i] in ("--out", "--config") and i + 1 < len(args):
+            rest += args[i:i + 2]
+            i += 2
+            continue
+        (rest if args[i].startswith("-") else runs).append(args[i])
+        i += 1
+    return (["--runs", *runs] if runs else []) + rest
+
+
+COMMANDS = {"demo": run_demo, "sft": run_sft, "eval": run_eval, "ppo": run_ppo, "rm": run_rm, "rm diagnose": run_rm_diagnose,
+            "tasks export": run_tasks_export, "report": run_report}
 
 
 def split_stage(argv: list[str]) -> tuple[str, list[str]]:
@@ -159,6 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     quiet_library_progress_bars()
     try:
         stage, rest = split_stage(argv)
+        if stage == "report":
+            rest = runs_as_flag(rest)
         cfg = parse_config(STAGES[stage], rest, prog=f"rlhflab {stage}")
         return COMMANDS[stage](cfg)
     except UserInputError as err:

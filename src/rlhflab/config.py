@@ -71,7 +71,7 @@ class SuiteFields:
     num_validation_prompts: int = arg(100, "built-in suite: prompts in the validation split")
     num_test_prompts: int = arg(100, "built-in suite: prompts in the test split")
     sft_examples: int = arg(20000, "built-in suite: SFT demonstrations drawn from the train split's content")
-    violation_fraction: float = arg(0.6, "built-in suite: share of SFT demonstrations that violate the format")
+    violation_fraction: float = arg(0.75, "built-in suite: share of SFT demonstrations that violate the format")
     dominant_share: float = arg(0.75, "built-in suite: share of violations that are the family's dominant kind")
 
 
@@ -114,9 +114,9 @@ class GenerationFields:
 class SFTConfig(RunFields, ModelFields, TinyModelFields, SuiteFields, DataFields, OptimFields, GenerationFields):
     """`rlhflab sft`: supervised fine-tuning on prompt/completion demonstrations."""
 
-    max_steps: int = arg(600, "optimiser steps")
+    max_steps: int = arg(1000, "optimiser steps (the tiny model learns to copy unseen words only after ~600)")
     batch_size: int = arg(64, "sequences per optimiser step (split over gradient_accumulation_steps)")
-    eval_every: int = arg(200, "validation loss and pass rate every N steps; 0 = only at the end")
+    eval_every: int = arg(250, "validation loss and pass rate every N steps; 0 = only at the end")
     eval_prompts: int = arg(100, "validation prompts used for the periodic pass rate")
     group_by_length: int = arg(0, "sort runs of this many batches by length before cutting them (less padding); 0 = off")
 
@@ -148,7 +148,31 @@ class LoraFields:
 
 
 @dataclass(frozen=True)
-class PPOConfig(RunFields, ModelFields, SuiteFields, LoraFields, OptimFields, GenerationFields):
+class MonitorFields:
+    """Training alarms and the stopping rule (rlhflab.eval.alarms / .stopping; README "Alarms and stopping")."""
+
+    stop_patience: int = arg(0, "stop when val/pass_rate has not risen by stop_min_delta over its best in this "
+                                "many evaluations (every eval_every updates); 0 = never stop early")
+    stop_min_delta: float = arg(0.01, "smallest rise of val/pass_rate over its best that counts as an improvement")
+    stop_on_alarms: str = arg("", "alarms that stop the run, comma-separated: reward_hacking, length_drift, "
+                                  "mode_collapse, training_health, or all; empty = alarms only warn")
+    keep_best: bool = arg(True, "keep the policy of the best val/pass_rate and save it if the run stops early "
+                                "or ends below it")
+    score_rise_bound: float = arg(0.25, "alarm reward_hacking: objective/scores up by this much since the best "
+                                       "evaluation while 3 evaluations in a row did not beat its pass rate")
+    kl_rate_bound: float = arg(1.5, "alarm reward_hacking: objective/kl growing faster than this many nats per "
+                                    "1,000 episodes (slope over the last 20 updates)")
+    kl_cap: float = arg(10.0, "alarm reward_hacking: objective/kl (median of 5 updates) above this many nats")
+    length_drift_bound: float = arg(0.5, "alarm length_drift: mean response length moved by more than this "
+                                         "fraction of its start")
+    capped_share_bound: float = arg(0.3, "alarm length_drift: share of responses hitting the length cap above this")
+    min_distinct_ratio: float = arg(0.5, "alarm mode_collapse: response/distinct_2 below this fraction of its start")
+    duplicate_share_bound: float = arg(0.5, "alarm mode_collapse: share of duplicate responses above this")
+    min_entropy_ratio: float = arg(0.2, "alarm mode_collapse: objective/entropy below this fraction of its start")
+
+
+@dataclass(frozen=True)
+class PPOConfig(MonitorFields, RunFields, ModelFields, SuiteFields, LoraFields, OptimFields, GenerationFields):
     """`rlhflab ppo`: PPO-RLHF with policy, reference, reward and value roles."""
 
     # the roles
@@ -244,6 +268,17 @@ class DemoConfig(SFTConfig):
     ppo_kl_coef: float = arg(0.05, "PPO stages: KL penalty coefficient beta")
     rm_config: str = arg("", "YAML of RMConfig fields for the demo's reward model (e.g. configs/rm_tiny.yaml)")
     rm_epochs: int = arg(1, "reward model: passes over the pairs")
+    rm_hard_negatives: int = arg(4, "reward model: SFT answers sampled per prompt; the failing ones become rejected answers")
+
+
+@dataclass(frozen=True)
+class ReportConfig:
+    """`rlhflab report RUN_DIR [RUN_DIR ...] [--out FILE]`: an HTML report of one run folder,
+    or one page comparing several."""
+
+    runs: list[str] = dataclasses.field(
+        default_factory=list, metadata={"help": "run folders: one = its report.html, several = a comparison"})
+    out: str = arg("", "output HTML file; empty = RUN_DIR/report.html for one run, comparison.html for several")
 
 
 STAGES: dict[str, type] = {
@@ -254,6 +289,7 @@ STAGES: dict[str, type] = {
     "ppo": PPOConfig,
     "rm": RMConfig,
     "rm diagnose": RMDiagnoseConfig,
+    "report": ReportConfig,
 }
 
 
@@ -278,6 +314,11 @@ def _coerce(name: str, value: Any, kind: Any, where: str) -> Any:
     if origin is Literal:
         if value not in typing.get_args(kind):
             raise UserInputError(f"'{name}' must be one of {list(typing.get_args(kind))}, got {value!r}", where)
+        return value
+    if origin is list:  # e.g. report's `runs`: a YAML list of strings
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise UserInputError(f"'{name}' should be a list of strings, got {value!r}", where,
+                                 f"write e.g. {name}: [runs/a, runs/b]")
         return value
     if kind is float and isinstance(value, str):
         try:  # PyYAML reads 1e-4 (no dot) as a string

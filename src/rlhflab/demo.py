@@ -34,7 +34,7 @@ from rlhflab.config import (
     read_yaml_config,
     write_config,
 )
-from rlhflab.eval import answer_and_check, eval_items, table_from_rows
+from rlhflab.eval import RunMonitor, answer_and_check, eval_items, table_from_rows
 from rlhflab.eval.rm_diagnosis import diagnose
 from rlhflab.tracking import RunDir, RunResult, default_run_path
 from rlhflab.trainers import ppo, reward, sft
@@ -62,7 +62,7 @@ def ppo_stage_config(demo: DemoConfig, model_dir: str, out: str, **reward_fields
 
 
 def rm_stage_config(demo: DemoConfig, model_dir: str, out: str) -> RMConfig:
-    values = {**shared_fields(demo, RMConfig), "num_epochs": demo.rm_epochs}
+    values = {**shared_fields(demo, RMConfig), "num_epochs": demo.rm_epochs, "hard_negatives": demo.rm_hard_negatives}
     if demo.rm_config:
         values |= read_yaml_config(demo.rm_config, RMConfig)
     return RMConfig(**{**values, "model": model_dir, "tokenizer": "", "output_dir": out, "overwrite": True})
@@ -107,7 +107,7 @@ def reward_model_stages(cfg: DemoConfig, run: RunDir, sft_dir: str) -> tuple[dic
     diagnosis = diagnose(diagnose_stage_config(cfg, str(rm_result.model_dir), sft_dir, str(run.path / "rm_diagnosis")))
     ppo_cfg = ppo_stage_config(cfg, sft_dir, str(run.path / "ppo_rm"), reward="model",
                                reward_model=str(rm_result.model_dir), normalize_reward=True)
-    ppo_rm_result = ppo.train(ppo_cfg)
+    ppo_rm_result = ppo.train(ppo_cfg, monitor=RunMonitor.from_config(ppo_cfg))
     test = rm_result.summary["pairs"]["test"]
     d = diagnosis.summary["rm_diagnosis"]
     rm_summary = {"test_accuracy": test["accuracy"], "margin": test["margin"],
@@ -137,7 +137,8 @@ def run_demo(cfg: DemoConfig) -> RunResult:
     # 2. PPO from the SFT model, with the task checker as reward
     if cfg.run_ppo:
         t0 = time.time()
-        result = ppo.train(ppo_stage_config(cfg, sft_dir, str(run.path / "ppo")))
+        ppo_cfg = ppo_stage_config(cfg, sft_dir, str(run.path / "ppo"))
+        result = ppo.train(ppo_cfg, monitor=RunMonitor.from_config(ppo_cfg))
         timed("ppo", t0)
         runs["ppo"], finals["ppo"] = str(result.run_dir), result.summary["final"]
         answers["ppo"] = test_answers(run, "ppo", result.model_dir, cfg)

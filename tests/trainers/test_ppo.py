@@ -212,3 +212,61 @@ def test_reward_model_normalisation_gives_the_starting_policy_mean_zero_std_one(
                                generator=torch.Generator().manual_seed(cfg.seed + 1))  # the calibration answers
     scores = reward_fn([i.prompt for i in items], [a.text for a in answers], items).scores
     assert abs(scores.mean().item()) < 1e-4 and abs(scores.std().item() - 1.0) < 1e-3
+
+
+def scripted_evaluations(monkeypatch, rates: dict[int, float]) -> dict[int, dict]:
+    """Replace the validation pass rate with `rates[step]`; keep a copy of the policy at each evaluation."""
+    from rlhflab.trainers.ppo_eval import PPOEvaluator
+
+    policies: dict[int, dict] = {}
+
+    def evaluate(self, policy, step, episode):
+        policies[step] = {k: v.detach().clone() for k, v in policy.state_dict().items()}
+        metrics = {"val/pass_rate": rates[step], "episode": episode}
+        self.run.log(metrics, step=step)
+        return metrics
+
+    monkeypatch.setattr(PPOEvaluator, "evaluate", evaluate)
+    return policies
+
+
+def saved_policy(result) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(result.model_dir / "model.safetensors"))
+
+
+def test_a_monitor_stops_the_run_early_and_the_best_policy_is_saved(policy_dir, tmp_path, monkeypatch):
+    from rlhflab.eval import RunMonitor, StoppingRule
+
+    policies = scripted_evaluations(monkeypatch, {0: 0.2, 1: 0.5, 2: 0.4, 3: 0.45, 4: 0.9})
+    cfg = tiny_cfg(policy_dir, total_episodes=8 * 8, eval_every=1, output_dir=str(tmp_path / "run"))
+    monitor = RunMonitor(stopping=StoppingRule(patience=2, min_delta=0.01))
+    result = ppo.train(cfg, reward_fn=digit_share, monitor=monitor)
+    summary = json.loads((result.run_dir / "summary.json").read_text())
+    # evaluations after update 2 and 3 did not beat update 1's 0.5: stop at update 3 of 8
+    assert summary["stopped"]["step"] == 3 and summary["stopped"]["episode"] == 24
+    assert "did not rise by 0.01 over its best 0.5 (step 1)" in summary["stopped"]["reason"]
+    assert summary["updates"] == 3 and summary["episodes"] == 24 < cfg.total_episodes
+    assert summary["best"] == {"step": 1, "val/pass_rate": 0.5, "restored": True}
+    assert isinstance(summary["alarms"], list)
+    rows = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert max(r["step"] for r in rows) == 3
+    update_rows = [r for r in rows if "objective/kl" in r]
+    assert all(0 <= r["response/distinct_2"] <= 1 and 0 <= r["response/capped_share"] <= 1 for r in update_rows)
+    saved = saved_policy(result)
+    assert all(torch.equal(saved[k], policies[1][k]) for k in saved)  # the best state, not the last
+    assert any(not torch.equal(saved[k], policies[3][k]) for k in saved)  # and training had moved on
+
+
+def test_a_run_that_ends_below_its_best_saves_the_best_policy(policy_dir, tmp_path, monkeypatch):
+    from rlhflab.eval import RunMonitor
+
+    policies = scripted_evaluations(monkeypatch, {0: 0.2, 1: 0.5, 2: 0.4})
+    cfg = tiny_cfg(policy_dir, total_episodes=16, eval_every=1, output_dir=str(tmp_path / "run"))
+    result = ppo.train(cfg, reward_fn=digit_share, monitor=RunMonitor())
+    assert result.summary["stopped"] is None and result.summary["updates"] == 2
+    assert result.summary["best"] == {"step": 1, "val/pass_rate": 0.5, "restored": True}
+    saved = saved_policy(result)
+    assert all(torch.equal(saved[k], policies[1][k]) for k in saved)
+    assert any(not torch.equal(saved[k], policies[2][k]) for k in saved)

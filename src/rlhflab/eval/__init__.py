@@ -1,5 +1,9 @@
-"""Evaluation and diagnosis: held-out pass rates (alarms and probes come later)."""
+"""Evaluation and diagnosis: held-out pass rates, training alarms, the stopping rule."""
 
+from rlhflab.eval.alarms import ALARM_NAMES, AlarmRules, Alarms
+from rlhflab.eval.monitor import RunMonitor
 from rlhflab.eval.pass_rate import answer_and_check, eval_items, evaluate, format_table, table_from_rows
+from rlhflab.eval.stopping import StoppingRule, parse_alarm_names
 
-__all__ = ["answer_and_check", "eval_items", "evaluate", "format_table", "table_from_rows"]
+__all__ = ["ALARM_NAMES", "AlarmRules", "Alarms", "RunMonitor", "StoppingRule", "answer_and_check", "eval_items",
+           "evaluate", "format_table", "table_from_rows", "parse_alarm_names"]

@@ -11,6 +11,8 @@ Each update (numbered as in README "PPO, step by step"):
   6. `num_ppo_epochs` passes over shuffled minibatches: clipped policy loss
      + vf_coef * clipped value loss, gradient clipping, AdamW, LR schedule
   7. update the KL coefficient (adaptive controller), log metrics, evaluate every N
+  8. if a monitor was given: feed it each logged row, log its alarms, stop when it says so
+     (README "Alarms and stopping")
 """
 
 from __future__ import annotations
@@ -29,9 +31,11 @@ from rlhflab.core import KL_ESTIMATORS, clipped_value_loss, gae, masked_mean, pp
 from rlhflab.core.logprobs import selective_log_softmax
 from rlhflab.errors import UserInputError
 from rlhflab.rollout import GenerationSettings, decode_responses
+from rlhflab.rollout.diversity import diversity_metrics
 from rlhflab.rollout.rollout import Rollout, collect_rollout
 from rlhflab.tracking import RunDir, RunResult, default_run_path
 from rlhflab.trainers.ppo_eval import PPOEvaluator
+from rlhflab.trainers.ppo_monitor import Monitor, RunWatch
 from rlhflab.trainers.ppo_save import save_ppo_models
 from rlhflab.trainers.ppo_setup import build_reward, build_roles, check_ppo_config
 from rlhflab.trainers.setup import configure_threads, make_optimizer, make_scheduler, seed_everything
@@ -135,7 +139,8 @@ def average_stats(history: list[dict]) -> dict:
     return out
 
 
-def rollout_metrics(rollout, scores, kl, non_score, returns, kl_coef, valid) -> dict:
+def rollout_metrics(rollout, scores, kl, non_score, returns, kl_coef, valid, prompt_keys: list[int]) -> dict:
+    """Per-update metrics of the rollout (README "Metrics"); `prompt_keys[b]` names row b's prompt."""
     mask = rollout.response_mask
     lengths = mask.sum(dim=1).float()
     kl_seq = (kl * mask).sum(dim=1)[valid]  # rows the reward failed on are out of the update
@@ -151,14 +156,18 @@ def rollout_metrics(rollout, scores, kl, non_score, returns, kl_coef, valid) -> 
         "response/length_mean": lengths.mean().item(),
         "reward/invalid_rows": int((~valid).sum().item()),
         "kl_coef": kl_coef,
+        **diversity_metrics(rollout.response_ids, mask, rollout.ended_with_eos, prompt_keys),
     }
 
 
-def train(cfg: PPOConfig, run: RunDir | None = None, reward_fn=None) -> RunResult:
+def train(cfg: PPOConfig, run: RunDir | None = None, reward_fn=None, monitor: Monitor | None = None) -> RunResult:
     """Run PPO as configured; returns the run folder and the HF policy folder it wrote.
 
     `reward_fn(prompts, responses, items)` overrides `cfg.reward`: any callable returning
     a `rewards.Scored` or a list of floats (NaN / None marks a row the reward failed on).
+    `monitor` (e.g. `rlhflab.eval.RunMonitor.from_config(cfg)`) sees every logged row, may
+    raise alarms and stop the run; with it the best-validation policy is kept and saved
+    if the run ends below it (`cfg.keep_best`). Without it no alarm, stop or restore happens.
     """
     started = time.time()
     check_ppo_config(cfg)
@@ -186,9 +195,11 @@ def train(cfg: PPOConfig, run: RunDir | None = None, reward_fn=None) -> RunResul
     # not be the one whose log-probs PPO uses. top_k / top_p apply to evaluation only.
     settings = GenerationSettings(cfg.response_length, True, cfg.temperature, top_k=0, top_p=1.0)
     evaluator = PPOEvaluator(splits["validation"], tokenizer, cfg, run)
-    first = evaluator.evaluate(roles.policy, step=0, episode=0)
+    watch = RunWatch(monitor, run, roles, cfg.keep_best)
+    first = last_eval = evaluator.evaluate(roles.policy, step=0, episode=0)
+    watch.observe(0, first)
     order: list[int] = []
-    episode, last = 0, {}
+    episode, last, done = 0, {}, 0
     bar = tqdm(range(1, num_updates + 1), desc="ppo", unit="update", disable=not cfg.progress)
     for update in bar:
         t0 = time.time()
@@ -226,25 +237,32 @@ def train(cfg: PPOConfig, run: RunDir | None = None, reward_fn=None) -> RunResul
         episode += cfg.batch_size
         generated_tokens = int(rollout.response_mask.sum().item())
         last = {
-            **rollout_metrics(rollout, scores, kl, non_score, returns, kl_coef_used, valid),
+            **rollout_metrics(rollout, scores, kl, non_score, returns, kl_coef_used, valid, batch_ids),
             **_ppo_names(stats), "lr": scheduler.get_last_lr()[0], "episode": episode,
             "eps": cfg.batch_size / (t3 - t0), "tokens_per_s": generated_tokens / max(rollout.seconds["generation"], 1e-9),
             "time/generation": rollout.seconds["generation"], "time/scoring": rollout.seconds["forward"] + (t2 - t1),
             "time/training": t3 - t2,
         }
         run.log(last, step=update)
+        watch.observe(update, last)
+        done = update
         if (cfg.eval_every and update % cfg.eval_every == 0) or update == num_updates:
             last_eval = evaluator.evaluate(roles.policy, step=update, episode=episode)
+            watch.observe(update, last_eval)
             bar.set_postfix(pass_rate=f"{last_eval['val/pass_rate']:.2f}", kl=f"{last['objective/kl']:.2f}",
                             score=f"{last['objective/scores']:.2f}")
+        # 8. the monitor's stopping rule (validation patience, or an alarm listed in stop_on_alarms)
+        if watch.should_stop(update, episode):
+            break
 
+    monitored = watch.finish(done, last_eval["val/pass_rate"])  # restores the best policy when it should
     model_dir = save_ppo_models(roles, tokenizer, run.path)
     summary = run.update_summary(
-        stage="ppo", reward=cfg.reward, reward_normalisation=normalisation, updates=num_updates, episodes=episode,
+        stage="ppo", reward=cfg.reward, reward_normalisation=normalisation, updates=done, episodes=episode,
         validation_pass_rate={"start": first["val/pass_rate"], "end": last_eval["val/pass_rate"]},
         final={k: last[k] for k in ("objective/kl", "objective/scores", "objective/rlhf_reward", "eps",
                                     "response/length_mean", "kl_coef")},
-        wall_time_s={"ppo": round(time.time() - started, 1)}, model_dir=str(model_dir),
+        wall_time_s={"ppo": round(time.time() - started, 1)}, model_dir=str(model_dir), **monitored,
     )
     run.close()
     return RunResult(run.path, summary, model_dir)

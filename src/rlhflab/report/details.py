@@ -1,0 +1,83 @@
+"""Report sections that let someone else reproduce or cost the run: facts, time, config, versions."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rlhflab.report.html import Markup, join, key_value_table, note, pre, table, tag
+from rlhflab.report.runfolder import RunFolder, as_number
+from rlhflab.report.series import series
+
+TIME_KEYS = ("time/generation", "time/scoring", "time/training")
+FACT_KEYS = ("stage", "model", "policy", "reward_model", "reward", "split", "decoding", "parameters",
+             "updates", "episodes", "steps", "final_loss")
+
+
+def facts_table(run: RunFolder) -> Markup:
+    """What was run: stage, seed, model, reward ... from summary.json, falling back to config.yaml."""
+    facts: dict[str, Any] = {"folder": str(run.path)}
+    for key in FACT_KEYS:
+        value = run.summary.get(key, run.config.get(key))
+        if value not in (None, "", {}, []):
+            facts[key] = value
+    if "seed" in run.config:
+        facts["seed"] = run.config["seed"]
+    if "split_seed" in run.config:
+        facts["split seed (train / validation / test)"] = run.config["split_seed"]
+    return key_value_table(facts)
+
+
+def final_section(run: RunFolder) -> Markup | None:
+    final = run.summary.get("final")
+    return key_value_table(final) if isinstance(final, dict) and final else None
+
+
+def total_seconds(wall: dict[str, Any]) -> float | None:
+    """wall_time_s['total'] when written, else the sum of the parts."""
+    if as_number(wall.get("total")) is not None:
+        return as_number(wall["total"])
+    parts = [v for v in (as_number(x) for x in wall.values()) if v is not None]
+    return sum(parts) if parts else None
+
+
+def _split_rows(parts: dict[str, float], total: float | None) -> list[list[Any]]:
+    rows = []
+    for name, seconds in parts.items():
+        share = f"{seconds / total:.0%}" if total else "—"
+        rows.append([name, round(seconds, 1), share])
+    return rows
+
+
+def wall_time_section(run: RunFolder) -> Markup | None:
+    """Stage wall times from summary.json and, for PPO, where the update time went."""
+    parts = []
+    wall = run.summary.get("wall_time_s")
+    if isinstance(wall, dict) and wall:
+        seconds = {k: v for k, v in ((k, as_number(v)) for k, v in wall.items()) if v is not None and k != "total"}
+        total = total_seconds(wall)
+        rows = _split_rows(seconds, total) + ([["total", round(total, 1), "100%"]] if total else [])
+        parts.append(table(["part", "seconds", "share"], rows, row_headers=True))
+    per_update = {k.removeprefix("time/"): sum(series(run.metrics, k).values) for k in TIME_KEYS}
+    per_update = {k: v for k, v in per_update.items() if v > 0}
+    if per_update:
+        total = sum(per_update.values())
+        parts.append(note("Time inside the updates, summed over metrics.jsonl:"))
+        parts.append(table(["phase", "seconds", "share"], _split_rows(per_update, total), row_headers=True))
+    return join(parts) if parts else None
+
+
+def config_section(run: RunFolder) -> Markup | None:
+    return pre(run.config_text) if run.config_text is not None else None
+
+
+def versions_section(run: RunFolder) -> Markup | None:
+    if not isinstance(run.versions, dict):
+        return None
+    shown = {k: ("none" if v in ([], "", None) else v) for k, v in run.versions.items()}
+    return key_value_table(shown)
+
+
+def notes_section(run: RunFolder) -> Markup | None:
+    if not run.notes:
+        return None
+    return tag("ul", join(tag("li", n) for n in run.notes), class_="note")

@@ -1,0 +1,101 @@
+"""What the PPO loop does with a monitor: feed it, log its alarms, stop, keep the best policy.
+
+The alarms and the stopping rule live in `rlhflab.eval` (a layer above trainers), so
+the loop only knows the small `Monitor` protocol below; `rlhflab.eval.RunMonitor`
+implements it and the callers (cli, demo) pass one in. Without a monitor the loop
+runs exactly as before: no alarms, no early stop, no best-policy restore.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Protocol
+
+import torch
+
+from rlhflab.rollout.roles import PolicyRoles
+from rlhflab.tracking import RunDir
+
+log = logging.getLogger("rlhflab")
+
+
+class Monitor(Protocol):
+    def observe(self, step: int, metrics: dict) -> list[dict]:
+        """Take one logged row (update or evaluation); return alarms fired at it: {"name", "step", "reason"}."""
+        ...
+
+    def stop_reason(self) -> str | None:
+        """Why the run should stop now, or None to go on."""
+        ...
+
+
+class BestPolicy:
+    """CPU copy of every trainable tensor (policy, LoRA adapters, value head) at the best pass rate.
+
+    A copy of the trainable parameters only (adapters alone under LoRA); fine at the
+    sizes this library trains on one machine. Full checkpoints are `rlhflab.checkpoint`'s job.
+    """
+
+    def __init__(self, roles: PolicyRoles):
+        self.params = roles.trainable_parameters()
+        self.state: list[torch.Tensor] | None = None
+        self.step: int | None = None
+        self.pass_rate = float("-inf")
+
+    def offer(self, step: int, pass_rate: float) -> None:
+        """Keep the current parameters when `pass_rate` beats every earlier one (ties keep the earlier)."""
+        if pass_rate > self.pass_rate:
+            self.state = [p.detach().to("cpu", copy=True) for p in self.params]
+            self.step, self.pass_rate = step, pass_rate
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        for p, saved in zip(self.params, self.state):
+            p.copy_(saved.to(p.device))
+
+
+class RunWatch:
+    """The loop's side of monitoring; every method is a no-op when `monitor` is None."""
+
+    def __init__(self, monitor: Monitor | None, run: RunDir, roles: PolicyRoles, keep_best: bool):
+        self.monitor = monitor
+        self.run = run
+        self.best = BestPolicy(roles) if monitor is not None and keep_best else None
+        self.alarms: list[dict] = []
+        self.stopped: dict | None = None
+
+    def observe(self, step: int, metrics: dict) -> None:
+        """Feed a row just logged; log each new alarm as `alarm/<name>` = 1 and as a warning."""
+        if self.monitor is None:
+            return
+        if self.best is not None and "val/pass_rate" in metrics:
+            self.best.offer(step, float(metrics["val/pass_rate"]))
+        for alarm in self.monitor.observe(step, metrics):
+            self.alarms.append(alarm)
+            self.run.log({f"alarm/{alarm['name']}": 1}, step=step)
+            log.warning("alarm %s at update %d: %s", alarm["name"], step, alarm["reason"])
+
+    def should_stop(self, step: int, episode: int) -> bool:
+        reason = self.monitor.stop_reason() if self.monitor is not None else None
+        if reason:
+            self.stopped = {"step": step, "episode": episode, "reason": reason}
+            log.warning("stopping PPO early at update %d (episode %d): %s", step, episode, reason)
+        return bool(reason)
+
+    def finish(self, step: int, end_pass_rate: float) -> dict:
+        """Restore the best policy if the run stopped early or ended below it; summary fields to record.
+
+        `step` is the last update trained, `end_pass_rate` the last evaluation's pass rate.
+        """
+        if self.monitor is None:
+            return {}
+        fields: dict = {"alarms": self.alarms, "stopped": self.stopped}
+        if self.best is not None and self.best.state is not None:
+            below = self.stopped is not None or end_pass_rate < self.best.pass_rate
+            restored = below and self.best.step != step
+            if restored:
+                self.best.restore()
+                log.info("restored the policy of update %d (val/pass_rate %.3f) before saving",
+                         self.best.step, self.best.pass_rate)
+            fields["best"] = {"step": self.best.step, "val/pass_rate": self.best.pass_rate, "restored": restored}
+        return fields

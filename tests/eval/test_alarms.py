@@ -1,0 +1,149 @@
+"""Each alarm fires at the right step, with its numbers, on a constructed history; a healthy or
+once-noisy history raises none."""
+
+import random
+
+import pytest
+
+from rlhflab.eval.alarms import ALARM_NAMES, AlarmRules, Alarms, slope
+
+BATCH = 64
+# a healthy update row (tiny runs' typical values); every value gets +-10 % noise
+HEALTHY = {"objective/kl": 1.0, "objective/entropy": 0.6, "response/length_mean": 8.0, "response/capped_share": 0.0,
+           "response/distinct_2": 0.5, "response/duplicate_share_batch": 0.1, "loss/value_avg": 0.1,
+           "val/explained_variance": 0.2, "policy/clipfrac_avg": 0.03, "policy/approxkl_avg": 0.005}
+
+
+def rising_pass_rate(step: int) -> float:
+    return 0.5 + step / 200
+
+
+def rising_score(step: int) -> float:
+    return 0.2 + step / 200
+
+
+def feed(updates: int, overrides=lambda step: {}, pass_rate=rising_pass_rate, rules=None, eval_every=10):
+    """Log `updates` update rows (and an evaluation at 0 and every `eval_every`) -> the alarms fired."""
+    alarms, rng, fired = Alarms(rules), random.Random(0), []
+    fired += alarms.observe(0, {"val/pass_rate": pass_rate(0), "episode": 0})
+    for step in range(1, updates + 1):
+        row = {k: v * (1 + 0.1 * rng.uniform(-1, 1)) for k, v in HEALTHY.items()}
+        row |= {"objective/scores": rising_score(step), "episode": BATCH * step, **overrides(step)}
+        fired += alarms.observe(step, row)
+        if step % eval_every == 0:
+            rate = pass_rate(step)
+            fired += alarms.observe(step, {"val/pass_rate": rate, "val/pass_rate/lists": rate, "episode": BATCH * step})
+    return fired
+
+
+def only(fired, name):
+    assert [a["name"] for a in fired] == [name], fired
+    assert set(fired[0]) == {"name", "step", "reason"}
+    return fired[0]
+
+
+def test_a_healthy_run_raises_no_alarm():
+    assert feed(100) == []
+
+
+def test_one_noisy_update_in_every_metric_raises_no_alarm():
+    spike = {"objective/kl": 40.0, "objective/entropy": 0.01, "response/length_mean": 60.0,
+             "response/capped_share": 1.0, "response/distinct_2": 0.01, "response/duplicate_share_batch": 1.0,
+             "loss/value_avg": 50.0, "val/explained_variance": -30.0, "policy/clipfrac_avg": 0.9,
+             "policy/approxkl_avg": 1.0, "objective/scores": 5.0}
+    assert feed(60, lambda step: spike if step == 30 else {}) == []
+
+
+def test_reward_hacking_score_up_while_pass_rate_falls():
+    rates = {0: 0.5, 10: 0.45, 20: 0.46, 30: 0.40, 40: 0.38}
+    fired = feed(40, lambda step: {"objective/scores": 0.2 + 0.02 * step}, pass_rate=rates.get)
+    alarm = only(fired, "reward_hacking")
+    assert alarm["step"] == 30  # the third evaluation without beating step 0's 0.5; not at 20
+    # medians of 5 updates: steps 1-5 -> 0.26, steps 26-30 -> 0.76
+    assert "0.26 -> 0.76" in alarm["reason"] and "step 0, val/pass_rate 0.5" in alarm["reason"]
+    assert "0.45, 0.46, 0.4" in alarm["reason"]
+
+
+def test_score_up_with_the_pass_rate_up_is_no_alarm():
+    rates = {0: 0.5, 10: 0.45, 20: 0.46, 30: 0.52, 40: 0.6}  # step 30 beats 0.5 by >= 0.01
+    assert feed(40, lambda step: {"objective/scores": 0.2 + 0.02 * step}, pass_rate=rates.get) == []
+
+
+def test_reward_hacking_kl_growing_fast():
+    fired = feed(40, lambda step: {"objective/kl": 0.2 * step})  # 0.2 nats per 64 episodes = 3.125 / 1k
+    alarm = only(fired, "reward_hacking")
+    assert alarm["step"] == 22  # judged from update 20 (a 20-update slope), held 3 updates
+    assert "3.12 nats per 1,000 episodes" in alarm["reason"]
+    assert feed(60, lambda step: {"objective/kl": 0.05 * step}) == []  # 0.78 / 1k: under the 1.5 bound
+
+
+def test_reward_hacking_kl_above_the_cap():
+    alarm = only(feed(30, lambda step: {"objective/kl": 12.0}), "reward_hacking")
+    assert alarm["step"] == 7  # median of 5 updates from update 5, held 3 updates
+    assert "objective/kl is 12 nats" in alarm["reason"] and "cap 10" in alarm["reason"]
+
+
+def test_length_drift_from_the_start():
+    alarm = only(feed(40, lambda step: {"response/length_mean": 8.0 if step < 16 else 16.0}), "length_drift")
+    assert alarm["step"] == 20  # the median of 5 turns at 18; held 18, 19, 20
+    assert "8 -> 16 tokens (+100%" in alarm["reason"]
+    assert feed(40, lambda step: {"response/length_mean": 8.0 if step < 16 else 11.0}) == []  # +38 %
+
+
+def test_length_drift_capped_responses():
+    alarm = only(feed(20, lambda step: {"response/capped_share": 0.5}), "length_drift")
+    assert alarm["step"] == 7 and "50% of responses hit the length cap" in alarm["reason"]
+
+
+@pytest.mark.parametrize("name,start,end,percent", [("response/distinct_2", 0.5, 0.2, "40%"),
+                                                     ("objective/entropy", 0.6, 0.09, "15%")])
+def test_mode_collapse_against_the_start(name, start, end, percent):
+    alarm = only(feed(40, lambda step: {name: start if step < 16 else end}), "mode_collapse")
+    assert alarm["step"] == 20 and name in alarm["reason"] and f"({percent} of its start" in alarm["reason"]
+
+
+def test_mode_collapse_duplicates_judged_only_when_logged():
+    alarm = only(feed(20, lambda step: {"response/duplicate_share_batch": 0.8}), "mode_collapse")
+    assert alarm["step"] == 7 and "response/duplicate_share_batch is 80%" in alarm["reason"]
+    # the same-prompt share is logged only at even updates: 5 values by update 10, then held 10, 12, 14
+    alarm = only(feed(30, lambda step: {"response/duplicate_share": 0.9} if step % 2 == 0 else {}), "mode_collapse")
+    assert alarm["step"] == 14
+
+
+def test_training_health_non_finite_fires_at_once():
+    alarm = only(feed(20, lambda step: {"loss/policy_avg": float("nan")} if step == 12 else {}), "training_health")
+    assert alarm["step"] == 12 and "loss/policy_avg=nan" in alarm["reason"]
+    # NaN explained variance means all returns were equal (core.explained_variance), not a failure
+    assert feed(20, lambda step: {"val/explained_variance": float("nan")} if step == 12 else {}) == []
+
+
+def test_training_health_value_loss_blow_up():
+    alarm = only(feed(40, lambda step: {"loss/value_avg": 0.1 if step <= 20 else 5.0}), "training_health")
+    assert alarm["step"] == 23 and "loss/value_avg is 5" in alarm["reason"]
+
+
+def test_training_health_poor_critic_needs_ten_updates_in_a_row():
+    alarm = only(feed(40, lambda step: {"val/explained_variance": -3.0 if step > 10 else 0.2}), "training_health")
+    assert alarm["step"] == 20 and "below -1 for 10 updates" in alarm["reason"]
+    assert feed(40, lambda step: {"val/explained_variance": -3.0 if 10 < step < 20 else 0.2}) == []  # 9 updates
+
+
+@pytest.mark.parametrize("name,value", [("policy/clipfrac_avg", 0.5), ("policy/approxkl_avg", 0.2)])
+def test_training_health_large_policy_steps(name, value):
+    alarm = only(feed(20, lambda step: {name: value} if step >= 5 else {}), "training_health")
+    assert alarm["step"] == 7 and name in alarm["reason"]
+
+
+def test_each_alarm_fires_once_and_bounds_are_plain_numbers():
+    fired = feed(80, lambda step: {"objective/kl": 12.0, "response/capped_share": 0.9})
+    assert sorted(a["name"] for a in fired) == ["length_drift", "reward_hacking"]
+    assert feed(30, lambda step: {"objective/kl": 12.0}, rules=AlarmRules(kl_cap=20.0)) == []
+    assert set(ALARM_NAMES) == {"reward_hacking", "length_drift", "mode_collapse", "training_health"}
+
+
+def test_theil_sen_slope_ignores_one_outlier():
+    xs = [float(x) for x in range(10)]
+    ys = [2.0 * x for x in xs]
+    ys[9] = 1000.0
+    assert slope(xs, ys) == pytest.approx(2.0)
+    assert slope([1.0, 1.0], [0.0, 5.0]) == 0.0
