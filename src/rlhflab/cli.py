@@ -1,7 +1,13 @@
 """`rlhflab <stage> --config file.yaml --field value`.
 
-Stages: demo, sft, eval, rm, rm diagnose, ppo, tasks export, report. `rlhflab <stage> --help` lists every
+Stages: demo, sft, eval, rm, rm diagnose, ppo, tasks export, report, sweep. `rlhflab <stage> --help` lists every
 field with its default and help.
+
+Exit codes: 0 done; 2 a user mistake (the message says what, where, what to do); 3 stopped
+by a non-finite loss / gradient / reward (no checkpoint after it); 130 / 143 SIGINT / SIGTERM:
+the current step finished and a checkpoint was written (continue with `--resume latest`);
+4 a second SIGINT / SIGTERM: exited at once, the last complete checkpoint untouched
+(README "Checkpoints and resume").
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import logging  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+from rlhflab.checkpoint.signals import Interrupted  # noqa: E402
 from rlhflab.config import STAGES, parse_config  # noqa: E402
 from rlhflab.errors import UserInputError  # noqa: E402
 
@@ -31,6 +38,8 @@ stages:
   ppo            PPO-RLHF: policy, reference, reward (checker or model) and value
   tasks export   write the built-in suite as JSONL (sft / pairs / prompts per split)
   report         RUN_DIR -> RUN_DIR/report.html; RUN_A RUN_B ... [--out FILE] -> one page comparing the runs
+  sweep          --stage ppo --vary cliprange=0.1,0.2,0.3 [--out DIR]: one run per value, all else fixed,
+                 then DIR/comparison.html and a table (`rlhflab sweep --help`)
 
 `rlhflab <stage> --help` lists every field with its default and help.
 """
@@ -122,6 +131,7 @@ def run_rm(cfg) -> int:
 
 
 def run_rm_diagnose(cfg) -> int:
+    from rlhflab.eval.length_bias import describe as describe_length_bias
     from rlhflab.eval.rm_diagnosis import diagnose
 
     result = diagnose(cfg)
@@ -129,6 +139,7 @@ def run_rm_diagnose(cfg) -> int:
     print(f"{d['answers']} answers of the policy on {cfg.split} (pass rate {d['pass_rate']:.1%}):")
     print(f"  mean reward passing {d['mean_reward_passing']:.2f} vs failing {d['mean_reward_failing']:.2f}")
     print(f"  point-biserial correlation with pass/fail {d['point_biserial']:.3f}, ROC-AUC {d['roc_auc']:.3f}")
+    print(describe_length_bias(result.summary["length_bias"]))
     print(f"worst cases: {result.run_dir / 'worst_cases.md'}")
     return 0
 
@@ -167,6 +178,19 @@ def run_report(cfg) -> int:
     return 0
 
 
+def run_sweep(argv: list[str]) -> int:
+    """`rlhflab sweep`: its own flags (--stage, --vary, --out) around a stage's, so it parses them itself."""
+    from rlhflab.sweep import format_sweep_table, plan_sweep, run_sweep as sweep
+
+    plan = plan_sweep(argv)  # every value parsed and every run's config checked before the first run
+    runs = sweep(plan)
+    print(format_sweep_table(plan, runs))
+    if (plan.out / "comparison.html").is_file():
+        print(f"\ncomparison: {plan.out / 'comparison.html'}")
+    print(f"runs: {plan.out}/{plan.field}=*   table: {plan.out / 'sweep.json'}")
+    return 3 if any(run.error for run in runs) else 0
+
+
 def runs_as_flag(args: list[str]) -> list[str]:
     """`report A B --out f` -> `--runs A B --out f`: folders are positional for the user, a field for the parser."""
     if "--runs" in args:
@@ -183,7 +207,7 @@ def runs_as_flag(args: list[str]) -> list[str]:
 
 
 COMMANDS = {"demo": run_demo, "sft": run_sft, "eval": run_eval, "ppo": run_ppo, "rm": run_rm, "rm diagnose": run_rm_diagnose,
-            "tasks export": run_tasks_export, "report": run_report}
+            "tasks export": run_tasks_export, "report": run_report, "sweep": run_sweep}
 
 
 def split_stage(argv: list[str]) -> tuple[str, list[str]]:
@@ -213,6 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     quiet_library_progress_bars()
     try:
         stage, rest = split_stage(argv)
+        if stage == "sweep":  # not one config: a stage's config plus --stage / --vary
+            return run_sweep(rest)
         if stage == "report":
             rest = runs_as_flag(rest)
         cfg = parse_config(STAGES[stage], rest, prog=f"rlhflab {stage}")
@@ -223,6 +249,9 @@ def main(argv: list[str] | None = None) -> int:
     except FloatingPointError as err:  # a non-finite loss, gradient or reward stopped the run
         print(f"rlhflab: stopped: {err}", file=sys.stderr)
         return 3
+    except Interrupted as err:  # SIGINT / SIGTERM: the step finished and a checkpoint was written
+        print(f"rlhflab: interrupted: {err}", file=sys.stderr)
+        return err.exit_code
 
 
 if __name__ == "__main__":

@@ -37,7 +37,8 @@ class RunFields:
     seed: int = arg(0, "seed for model init, data order and sampling")
     threads: int = arg(0, "torch CPU threads; 0 = all cores (OMP_WAIT_POLICY=PASSIVE is set for you)")
     log_every: int = arg(10, "write metrics every N optimiser steps")
-    report_to: str = arg("none", "extra metric sinks besides metrics.jsonl: none, tensorboard, wandb (comma-separated)")
+    report_to: str = arg("none", "extra metric sinks besides metrics.jsonl: none, or any of tensorboard, wandb, "
+                                 "trackio (comma-separated)")
     progress: bool = arg(True, "show a progress bar")
 
 
@@ -107,11 +108,26 @@ class GenerationFields:
     eval_batch_size: int = arg(100, "prompts per generation batch in evaluation")
 
 
+@dataclass(frozen=True)
+class CheckpointFields:
+    """Checkpoints and resume (rlhflab.checkpoint; README "Checkpoints and resume")."""
+
+    save_every: int = arg(0, "write RUN/checkpoints/step-N every N optimiser steps (PPO: updates) and at the end; "
+                             "0 = only at the end")
+    keep_last_n: int = arg(2, "complete checkpoints to keep; older ones are deleted once a newer one is complete; "
+                              "0 = keep all")
+    resume: str = arg("", "continue a run: 'latest' (newest complete checkpoint in --output_dir) or a "
+                          "RUN/checkpoints/step-N folder; empty = start fresh")
+    allow_config_change: bool = arg(False, "resume even though the config differs from the run's config.yaml "
+                                           "(the differences are recorded in summary.json)")
+
+
 # --- stage configs ------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
-class SFTConfig(RunFields, ModelFields, TinyModelFields, SuiteFields, DataFields, OptimFields, GenerationFields):
+class SFTConfig(CheckpointFields, RunFields, ModelFields, TinyModelFields, SuiteFields, DataFields, OptimFields,
+                GenerationFields):
     """`rlhflab sft`: supervised fine-tuning on prompt/completion demonstrations."""
 
     max_steps: int = arg(1000, "optimiser steps (the tiny model learns to copy unseen words only after ~600)")
@@ -119,6 +135,7 @@ class SFTConfig(RunFields, ModelFields, TinyModelFields, SuiteFields, DataFields
     eval_every: int = arg(250, "validation loss and pass rate every N steps; 0 = only at the end")
     eval_prompts: int = arg(100, "validation prompts used for the periodic pass rate")
     group_by_length: int = arg(0, "sort runs of this many batches by length before cutting them (less padding); 0 = off")
+    save_every: int = arg(250, "write RUN/checkpoints/step-N every N steps and at the end; 0 = only at the end")
 
 
 @dataclass(frozen=True)
@@ -172,7 +189,8 @@ class MonitorFields:
 
 
 @dataclass(frozen=True)
-class PPOConfig(MonitorFields, RunFields, ModelFields, SuiteFields, LoraFields, OptimFields, GenerationFields):
+class PPOConfig(MonitorFields, CheckpointFields, RunFields, ModelFields, SuiteFields, LoraFields, OptimFields,
+                GenerationFields):
     """`rlhflab ppo`: PPO-RLHF with policy, reference, reward and value roles."""
 
     # the roles
@@ -214,6 +232,9 @@ class PPOConfig(MonitorFields, RunFields, ModelFields, SuiteFields, LoraFields, 
     eval_every: int = arg(10, "validation pass rate every N updates; 0 = start and end only")
     eval_prompts: int = arg(100, "validation prompts used for the pass rate")
     sample_prompts: int = arg(8, "fixed validation prompts whose answers go to samples.jsonl at each evaluation")
+    save_every: int = arg(20, "write RUN/checkpoints/step-N every N updates and at the end; 0 = only at the end")
+    console_samples: int = arg(4, "answers to the first N fixed validation prompts logged as a table (prompt, "
+                                  "answer, pass/fail) at each evaluation; 0 = off")
     # PPO-specific optimiser defaults (FACTS.md: lr 3e-4 or 4 epochs blew KL up)
     learning_rate: float = arg(1e-4, "peak AdamW learning rate")
     adam_eps: float = arg(1e-5, "AdamW epsilon")
@@ -222,11 +243,12 @@ class PPOConfig(MonitorFields, RunFields, ModelFields, SuiteFields, LoraFields, 
 
 
 @dataclass(frozen=True)
-class RMConfig(RunFields, ModelFields, SuiteFields, DataFields, OptimFields):
+class RMConfig(CheckpointFields, RunFields, ModelFields, SuiteFields, DataFields, OptimFields):
     """`rlhflab rm`: a scalar reward model trained on preference pairs with Bradley-Terry."""
 
     pair_kinds: str = arg("", "built-in suite: violation kinds of the rejected answers (comma-separated); empty = all")
     pairs_per_prompt: int = arg(3, "built-in suite: rejected answers per prompt")
+    pair_prompts: int = arg(0, "built-in suite: train pairs on this many fresh train-pool prompts; 0 = the fixed train split")
     hard_negatives: int = arg(
         0, "built-in suite: answers sampled per prompt from --model (the policy); each failing one becomes a "
            "rejected answer against the reference, so the RM learns the policy's own mistakes; 0 = off")

@@ -36,6 +36,7 @@ from rlhflab.config import (
 )
 from rlhflab.eval import RunMonitor, answer_and_check, eval_items, table_from_rows
 from rlhflab.eval.rm_diagnosis import diagnose
+from rlhflab.errors import UserInputError
 from rlhflab.tracking import RunDir, RunResult, default_run_path
 from rlhflab.trainers import ppo, reward, sft
 from rlhflab.trainers.setup import resolve_device
@@ -119,6 +120,9 @@ def reward_model_stages(cfg: DemoConfig, run: RunDir, sft_dir: str) -> tuple[dic
 
 def run_demo(cfg: DemoConfig) -> RunResult:
     started = time.time()
+    if cfg.resume:
+        raise UserInputError("the demo cannot resume as a whole", "--resume",
+                             "resume the stage that stopped: rlhflab sft|rm|ppo --resume latest --output_dir RUN/<stage>")
     run = RunDir(cfg.output_dir or default_run_path("demo"), overwrite=cfg.overwrite, report_to=cfg.report_to)
     write_config(cfg, run.path / "config.yaml")
     run.write_versions()

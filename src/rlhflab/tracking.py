@@ -9,12 +9,15 @@ Every command that trains or evaluates writes one folder:
     summary.json    the run's headline figures, machine-readable
     model/          HF-format model folder(s)
 
-`RunDir.log` is the single metrics path: metrics.jsonl always, TensorBoard or
-W&B in addition when asked. Reports read these files only.
+`RunDir.log` is the single metrics path: metrics.jsonl always, and TensorBoard,
+W&B or trackio in addition when `report_to` names them (any subset). Each backend is
+imported only when chosen, so none of them is a dependency. Reports read these files only.
 """
 
 from __future__ import annotations
 
+import difflib
+import importlib.util
 import json
 import math
 import os
@@ -70,12 +73,14 @@ def _jsonable(value: Any) -> Any:
 class RunDir:
     """A run folder: created once, appended to while the run goes on."""
 
-    def __init__(self, path: str | Path, *, overwrite: bool = False, report_to: str = "none"):
+    def __init__(self, path: str | Path, *, overwrite: bool = False, report_to: str = "none", resume: bool = False):
+        """`resume=True` reopens a run's folder as it is (rlhflab.checkpoint cuts its histories back)."""
         self.path = Path(path)
+        backends = sink_names(report_to)  # a typo fails before the folder is made
         if self.path.exists() and not self.path.is_dir():
             raise UserInputError(f"output path is a file, not a folder: {self.path}", "--output_dir")
         held = [name for name in RUN_MARKERS if (self.path / name).exists()]
-        if held and not overwrite:
+        if held and not overwrite and not resume:
             raise UserInputError(
                 f"folder already holds a run ({', '.join(held)})",
                 str(self.path),
@@ -83,8 +88,9 @@ class RunDir:
             )
         self.path.mkdir(parents=True, exist_ok=True)
         for name in ("metrics.jsonl", "samples.jsonl"):
-            (self.path / name).write_text("")
-        self._sinks = [_make_sink(name.strip(), self.path) for name in report_to.split(",") if name.strip() != "none"]
+            if not resume:
+                (self.path / name).write_text("")
+        self._sinks = [_make_sink(name, self.path) for name in backends]
         self.started = time.time()
 
     def write_json(self, name: str, payload: Any) -> Path:
@@ -126,6 +132,17 @@ class RunDir:
             sink.close()
 
 
+def _scalars(metrics: dict[str, Any]) -> dict[str, float]:
+    """The numeric values of a row as plain floats (NaN / inf kept as floats): what a dashboard plots.
+    metrics.jsonl holds the same numbers (non-finite ones spelled as strings, which JSON needs)."""
+    out = {}
+    for key, value in metrics.items():
+        value = value.item() if hasattr(value, "item") else value
+        if isinstance(value, (int, float)):
+            out[key] = float(value)
+    return out
+
+
 class _TensorBoardSink:
     def __init__(self, path: Path):
         from torch.utils.tensorboard import SummaryWriter  # needs the `tensorboard` extra
@@ -133,9 +150,8 @@ class _TensorBoardSink:
         self.writer = SummaryWriter(log_dir=str(path / "tensorboard"))
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
-        for key, value in metrics.items():
-            if isinstance(value, (int, float)) or hasattr(value, "item"):
-                self.writer.add_scalar(key, float(_jsonable(value)), step)
+        for key, value in _scalars(metrics).items():
+            self.writer.add_scalar(key, value, step)
 
     def close(self) -> None:
         self.writer.close()
@@ -145,27 +161,64 @@ class _WandbSink:
     def __init__(self, path: Path):
         import wandb  # needs the `wandb` extra
 
-        self.run = wandb.init(dir=str(path), name=path.name, reinit=True)
+        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "rlhflab"), dir=str(path), name=path.name,
+                              reinit=True)
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
-        self.run.log({k: _jsonable(v) for k, v in metrics.items()}, step=step)
+        self.run.log(_scalars(metrics), step=step)
 
     def close(self) -> None:
         self.run.finish()
 
 
-SINKS = {"tensorboard": _TensorBoardSink, "wandb": _WandbSink}
+class _TrackioSink:
+    """trackio (Hugging Face's local-first, W&B-compatible tracker): one run per run folder."""
+
+    def __init__(self, path: Path):
+        import trackio  # needs the `trackio` extra
+
+        self.trackio = trackio
+        trackio.init(project=os.environ.get("TRACKIO_PROJECT", "rlhflab"), name=path.name)
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        self.trackio.log(_scalars(metrics), step=step)
+
+    def close(self) -> None:
+        self.trackio.finish()
+
+
+SINKS = {"tensorboard": _TensorBoardSink, "wandb": _WandbSink, "trackio": _TrackioSink}
+
+
+def sink_names(report_to: str) -> list[str]:
+    """'none', '' or 'tensorboard, wandb' -> the backends to open, checked before any is imported.
+
+    Every name is checked first, so a typo in the second name does not leave a W&B run
+    opened for the first one.
+    """
+    names = list(dict.fromkeys(n.strip() for n in report_to.split(",") if n.strip() not in ("", "none")))
+    for name in names:
+        if name not in SINKS:
+            close = difflib.get_close_matches(name, list(SINKS), n=1)
+            hint = f"did you mean '{close[0]}'?" if close else f"use none or any of {', '.join(SINKS)}, comma-separated"
+            raise UserInputError(f"unknown report_to backend '{name}'", "--report_to", hint)
+        if not _installed(name):  # found without importing it, before the run folder is made
+            raise UserInputError(f"report_to={name} needs the '{name}' package, which is not installed",
+                                 "--report_to", f"pip install {name}   (or: pip install 'rlhflab[{name}]')")
+    return names
+
+
+def _installed(module: str) -> bool:
+    return module in sys.modules or importlib.util.find_spec(module) is not None
 
 
 def _make_sink(name: str, path: Path):
-    if name not in SINKS:
-        raise UserInputError(f"unknown report_to backend '{name}'", "report_to", f"use none or {', '.join(SINKS)}")
     try:
         return SINKS[name](path)
     except ImportError as err:
         raise UserInputError(
-            f"report_to={name} needs the '{name}' package", "report_to", f"pip install 'rlhflab[{name}]'"
-        ) from err
+            f"report_to={name}: importing its package failed ({err})", "--report_to",
+            f"pip install {name}   (or: pip install 'rlhflab[{name}]')") from err
 
 
 class RunResult:

@@ -6,7 +6,8 @@ Pairwise accuracy on hand-made pairs can be 100 % while the RM still scores the
 policy's real mistakes high (the seeds' weak RM). This generates the policy's
 answers, checks them, scores them, and reports mean reward of passing vs failing
 answers, the point-biserial correlation of reward with pass/fail, ROC-AUC, and
-the worst cases for a person to read.
+the worst cases for a person to read. It also runs the length-bias probe on the
+split's reference answers (`summary.json` -> `length_bias`, see eval/length_bias.py).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 from rlhflab import models, rewards, tasks
 from rlhflab.config import RMDiagnoseConfig, write_config
 from rlhflab.errors import UserInputError
+from rlhflab.eval.length_bias import length_bias_probe
 from rlhflab.tracking import RunDir, RunResult, default_run_path
 from rlhflab.trainers.setup import configure_threads, resolve_device, seed_everything
 from rlhflab.trainers.validation import checked_answers
@@ -105,8 +107,11 @@ def diagnose(cfg: RMDiagnoseConfig, run: RunDir | None = None) -> RunResult:
     summary = diagnosis_summary(rows, cfg.worst_cases)
     (run.path / "worst_cases.md").write_text(worst_cases_text(summary))
     headline = {k: v for k, v in summary.items() if not k.startswith("worst")}
-    run.log({f"rm_diagnosis/{k}": v for k, v in headline.items()}, step=0)
-    out = run.update_summary(stage="rm diagnose", split=cfg.split, rm_diagnosis=headline,
+    length_bias = length_bias_probe(rm, rm_tokenizer, splits[cfg.split])  # each prompt once, reference answers
+    run.log({**{f"rm_diagnosis/{k}": v for k, v in headline.items()},
+             **{f"length_bias/{k}": length_bias[k] for k in ("mean_change", "share_raised", "change_per_token")}},
+            step=0)
+    out = run.update_summary(stage="rm diagnose", split=cfg.split, rm_diagnosis=headline, length_bias=length_bias,
                              decoding="sampled" if cfg.do_sample else "greedy",
                              wall_time_s={"diagnose": round(time.time() - started, 1)})
     run.close()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import pickle
 from pathlib import Path
 
 import torch
@@ -155,13 +156,20 @@ def load_causal_lm(
     _check_causal(config, s, trust_remote_code)
     local = Path(s).is_dir()
     use_safetensors = True if local and any(Path(s).glob("*.safetensors")) else None
-    model = AutoModelForCausalLM.from_pretrained(
-        s,
-        config=config,
-        dtype=DTYPES[dtype],
-        use_safetensors=use_safetensors,
-        trust_remote_code=trust_remote_code,
-    )
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            s,
+            config=config,
+            dtype=DTYPES[dtype],
+            use_safetensors=use_safetensors,
+            trust_remote_code=trust_remote_code,
+        )
+    except pickle.UnpicklingError as err:  # torch.load(weights_only=True) met something that is not a tensor
+        raise UserInputError(
+            "refused to load a pickled weights file holding more than tensors (it could run code)",
+            where=s,
+            fix="use a safetensors copy of the weights (model.safetensors) from a source you trust",
+        ) from err
     return model.to(device)
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlhflab.report.html import Markup, join, key_value_table, note, pct, pre, table, tag
+from rlhflab.report.html import Markup, join, key_value_table, note, number, pct, pre, table, tag
 from rlhflab.report.plots import Line, grid, panel
 from rlhflab.report.runfolder import RunFolder, as_number
 from rlhflab.report.series import alarm_steps, collect_alarms, has_key, series
@@ -84,9 +84,23 @@ def reward_model_section(run: RunFolder) -> Markup | None:
         parts += [tag("h4", "reward model (demo headline)"), key_value_table(summary["rm"])]
     if isinstance(summary.get("rm_diagnosis"), dict):
         parts += [tag("h4", "diagnosis on the policy's own answers"), key_value_table(summary["rm_diagnosis"])]
+    if isinstance(summary.get("length_bias"), dict):
+        parts += [tag("h4", "length-bias probe: reward for filler alone, score(padded) − score(plain)"),
+                  _length_bias_table(summary["length_bias"])]
     if run.worst_cases is not None:
         parts += [tag("h4", "worst cases (worst_cases.md)"), pre(run.worst_cases)]
     return join(parts) if parts else None
+
+
+def _length_bias_table(probe: dict[str, Any]) -> Markup:
+    """One row per filler and one for all: a positive change means the RM pays for length."""
+    per_filler = probe.get("per_filler") if isinstance(probe.get("per_filler"), dict) else {}
+    named = [(name, row) for name, row in per_filler.items() if isinstance(row, dict)] + [("all fillers", probe)]
+    rows = [[name, number(as_number(row.get("mean_change"))), pct(as_number(row.get("share_raised"))),
+             number(as_number(row.get("mean_added_tokens"))), number(as_number(row.get("change_per_token")))]
+            for name, row in named]
+    headers = ["filler", "mean score change", "pairs raised", "tokens added", "change per token"]
+    return table(headers, rows, row_headers=True, id="length-bias")
 
 
 def _sample_columns(rows: list[dict[str, Any]]) -> tuple[str, list[Any]]:

@@ -13,6 +13,8 @@ Each update (numbered as in README "PPO, step by step"):
   7. update the KL coefficient (adaptive controller), log metrics, evaluate every N
   8. if a monitor was given: feed it each logged row, log its alarms, stop when it says so
      (README "Alarms and stopping")
+  9. checkpoint every `save_every` updates, at the end, and on SIGINT / SIGTERM
+     (README "Checkpoints and resume"); `--resume` continues bit for bit
 """
 
 from __future__ import annotations
@@ -26,18 +28,20 @@ import torch
 from tqdm.auto import tqdm
 
 from rlhflab import core, data, rewards, tasks
-from rlhflab.config import PPOConfig, write_config
+from rlhflab.checkpoint import Checkpointer, open_run
+from rlhflab.config import PPOConfig
 from rlhflab.core import KL_ESTIMATORS, clipped_value_loss, gae, masked_mean, ppo_policy_loss, whiten
 from rlhflab.core.logprobs import selective_log_softmax
 from rlhflab.errors import UserInputError
 from rlhflab.rollout import GenerationSettings, decode_responses
 from rlhflab.rollout.diversity import diversity_metrics
 from rlhflab.rollout.rollout import Rollout, collect_rollout
-from rlhflab.tracking import RunDir, RunResult, default_run_path
+from rlhflab.tracking import RunDir, RunResult
 from rlhflab.trainers.ppo_eval import PPOEvaluator
 from rlhflab.trainers.ppo_monitor import Monitor, RunWatch
 from rlhflab.trainers.ppo_save import save_ppo_models
 from rlhflab.trainers.ppo_setup import build_reward, build_roles, check_ppo_config
+from rlhflab.trainers.ppo_state import PPOProgress, pack_ppo, unpack_ppo
 from rlhflab.trainers.setup import configure_threads, make_optimizer, make_scheduler, seed_everything
 
 log = logging.getLogger("rlhflab")
@@ -180,9 +184,7 @@ def train(cfg: PPOConfig, run: RunDir | None = None, reward_fn=None, monitor: Mo
     if reward_fn is None:
         reward_fn, normalisation = build_reward(cfg, tokenizer, roles.policy, train_items[: cfg.calibration_prompts])
     prompt_ids = data.encode_prompts(tokenizer, [i.prompt for i in train_items])
-    run = run or RunDir(cfg.output_dir or default_run_path("ppo"), overwrite=cfg.overwrite, report_to=cfg.report_to)
-    write_config(cfg, run.path / "config.yaml")
-    run.write_versions()
+    run, resumed = open_run(cfg, "ppo") if run is None else (run, None)
 
     num_updates = cfg.total_episodes // cfg.batch_size
     optimizer = make_optimizer(roles.trainable_parameters(), cfg)
@@ -196,64 +198,79 @@ def train(cfg: PPOConfig, run: RunDir | None = None, reward_fn=None, monitor: Mo
     settings = GenerationSettings(cfg.response_length, True, cfg.temperature, top_k=0, top_p=1.0)
     evaluator = PPOEvaluator(splits["validation"], tokenizer, cfg, run)
     watch = RunWatch(monitor, run, roles, cfg.keep_best)
-    first = last_eval = evaluator.evaluate(roles.policy, step=0, episode=0)
-    watch.observe(0, first)
-    order: list[int] = []
-    episode, last, done = 0, {}, 0
-    bar = tqdm(range(1, num_updates + 1), desc="ppo", unit="update", disable=not cfg.progress)
-    for update in bar:
-        t0 = time.time()
-        # 1. sample prompts: shuffled passes over the train split
-        while len(order) < cfg.batch_size:
-            order.extend(torch.randperm(len(train_items), generator=generator).tolist())
-        batch_ids, order = order[: cfg.batch_size], order[cfg.batch_size :]
-        items = [train_items[i] for i in batch_ids]
-        # 2. rollout: generate, then old / reference log-probs and values in one pass each
-        rollout = collect_rollout(roles, [prompt_ids[i] for i in batch_ids], pad_id=tokenizer.pad_token_id,
-                                  eos_id=tokenizer.eos_token_id, settings=settings, generator=sampler)
-        t1 = time.time()
-        # 3. scores, with the missing-EOS penalty; rows the reward failed on are masked out
-        scores, valid = score_rollout(rollout, reward_fn, tokenizer, items, cfg.missing_eos_penalty)
-        if not valid.any():
-            raise FloatingPointError(f"update {update}: the reward source failed on every row of the batch")
-        mask = rollout.response_mask & valid.unsqueeze(1)
-        # 4. per-token rewards: KL penalty on every token, score on the last real one
-        kl = KL_ESTIMATORS[cfg.kl_estimator](rollout.logprobs, rollout.ref_logprobs, mask)
-        rewards, non_score = token_rewards(scores, kl, mask, kl_ctl.value)
-        if cfg.whiten_rewards:
-            rewards = whiten(rewards, mask, shift_mean=False)
-        # 5. advantages (GAE) and returns, advantages whitened over the rollout
-        advantages, returns = gae(rewards, rollout.values, mask, cfg.gamma, cfg.lam)
-        if cfg.whiten_advantages:
-            advantages = whiten(advantages, mask)
-        t2 = time.time()
-        # 6. PPO epochs over minibatches
-        masked_rollout = rollout if bool(valid.all()) else dataclasses.replace(rollout, response_mask=mask)
-        stats = ppo_epochs(roles, optimizer, scheduler, masked_rollout, advantages, returns, cfg, generator, update)
-        t3 = time.time()
-        # 7. KL coefficient, metrics, periodic evaluation
-        kl_coef_used = kl_ctl.value
-        kl_ctl.update((kl * mask).sum(dim=1)[valid].mean().item(), cfg.batch_size)
-        episode += cfg.batch_size
-        generated_tokens = int(rollout.response_mask.sum().item())
-        last = {
-            **rollout_metrics(rollout, scores, kl, non_score, returns, kl_coef_used, valid, batch_ids),
-            **_ppo_names(stats), "lr": scheduler.get_last_lr()[0], "episode": episode,
-            "eps": cfg.batch_size / (t3 - t0), "tokens_per_s": generated_tokens / max(rollout.seconds["generation"], 1e-9),
-            "time/generation": rollout.seconds["generation"], "time/scoring": rollout.seconds["forward"] + (t2 - t1),
-            "time/training": t3 - t2,
-        }
-        run.log(last, step=update)
-        watch.observe(update, last)
-        done = update
-        if (cfg.eval_every and update % cfg.eval_every == 0) or update == num_updates:
-            last_eval = evaluator.evaluate(roles.policy, step=update, episode=episode)
-            watch.observe(update, last_eval)
-            bar.set_postfix(pass_rate=f"{last_eval['val/pass_rate']:.2f}", kl=f"{last['objective/kl']:.2f}",
-                            score=f"{last['objective/scores']:.2f}")
-        # 8. the monitor's stopping rule (validation patience, or an alarm listed in stop_on_alarms)
-        if watch.should_stop(update, episode):
-            break
+    generators = {"order": generator, "sampler": sampler}
+    if resumed is None:
+        first = evaluator.evaluate(roles.policy, step=0, episode=0)
+        watch.observe(0, first)
+        progress = PPOProgress(first=first, last_eval=first)
+    else:
+        progress = unpack_ppo(resumed, roles, optimizer, scheduler, kl_ctl, generators, watch)
+    first, last_eval, last, order = progress.first, progress.last_eval, progress.last, progress.order
+    done, episode, finished = progress.update, progress.episode, progress.finished
+    pack = lambda: pack_ppo(roles, optimizer, scheduler, kl_ctl, generators, PPOProgress(  # noqa: E731
+        done, episode, order, first, last_eval, last, finished), watch)  # reads the loop's variables when called
+    start = num_updates if finished else done
+    with Checkpointer(run.path, cfg.save_every, cfg.keep_last_n) as saver:  # SIGINT / SIGTERM handlers inside
+        bar = tqdm(range(start + 1, num_updates + 1), desc="ppo", unit="update", disable=not cfg.progress)
+        for update in bar:
+            t0 = time.time()
+            # 1. sample prompts: shuffled passes over the train split
+            while len(order) < cfg.batch_size:
+                order.extend(torch.randperm(len(train_items), generator=generator).tolist())
+            batch_ids, order = order[: cfg.batch_size], order[cfg.batch_size :]
+            items = [train_items[i] for i in batch_ids]
+            # 2. rollout: generate, then old / reference log-probs and values in one pass each
+            rollout = collect_rollout(roles, [prompt_ids[i] for i in batch_ids], pad_id=tokenizer.pad_token_id,
+                                      eos_id=tokenizer.eos_token_id, settings=settings, generator=sampler)
+            t1 = time.time()
+            # 3. scores, with the missing-EOS penalty; rows the reward failed on are masked out
+            scores, valid = score_rollout(rollout, reward_fn, tokenizer, items, cfg.missing_eos_penalty)
+            if not valid.any():
+                raise FloatingPointError(f"update {update}: the reward source failed on every row of the batch")
+            mask = rollout.response_mask & valid.unsqueeze(1)
+            # 4. per-token rewards: KL penalty on every token, score on the last real one
+            kl = KL_ESTIMATORS[cfg.kl_estimator](rollout.logprobs, rollout.ref_logprobs, mask)
+            rewards, non_score = token_rewards(scores, kl, mask, kl_ctl.value)
+            if cfg.whiten_rewards:
+                rewards = whiten(rewards, mask, shift_mean=False)
+            # 5. advantages (GAE) and returns, advantages whitened over the rollout
+            advantages, returns = gae(rewards, rollout.values, mask, cfg.gamma, cfg.lam)
+            if cfg.whiten_advantages:
+                advantages = whiten(advantages, mask)
+            t2 = time.time()
+            # 6. PPO epochs over minibatches
+            masked_rollout = rollout if bool(valid.all()) else dataclasses.replace(rollout, response_mask=mask)
+            stats = ppo_epochs(roles, optimizer, scheduler, masked_rollout, advantages, returns, cfg, generator, update)
+            t3 = time.time()
+            # 7. KL coefficient, metrics, periodic evaluation
+            kl_coef_used = kl_ctl.value
+            kl_ctl.update((kl * mask).sum(dim=1)[valid].mean().item(), cfg.batch_size)
+            episode += cfg.batch_size
+            generated_tokens = int(rollout.response_mask.sum().item())
+            last = {
+                **rollout_metrics(rollout, scores, kl, non_score, returns, kl_coef_used, valid, batch_ids),
+                **_ppo_names(stats), "lr": scheduler.get_last_lr()[0], "episode": episode,
+                "eps": cfg.batch_size / (t3 - t0),
+                "tokens_per_s": generated_tokens / max(rollout.seconds["generation"], 1e-9),
+                "time/generation": rollout.seconds["generation"],
+                "time/scoring": rollout.seconds["forward"] + (t2 - t1), "time/training": t3 - t2,
+            }
+            run.log(last, step=update)
+            watch.observe(update, last)
+            done = update
+            if (cfg.eval_every and update % cfg.eval_every == 0) or update == num_updates:
+                last_eval = evaluator.evaluate(roles.policy, step=update, episode=episode)
+                watch.observe(update, last_eval)
+                bar.set_postfix(pass_rate=f"{last_eval['val/pass_rate']:.2f}", kl=f"{last['objective/kl']:.2f}",
+                                score=f"{last['objective/scores']:.2f}")
+            # 8. the monitor's stopping rule (validation patience, or an alarm listed in stop_on_alarms)
+            if watch.should_stop(update, episode):
+                break
+            # 9. checkpoint when due, or when SIGINT / SIGTERM asked (then raises Interrupted)
+            saver.step_done(update, pack)
+
+        finished = True
+        saver.finish(done, pack)  # before the best policy may be restored: a resume continues from `done`
 
     monitored = watch.finish(done, last_eval["val/pass_rate"])  # restores the best policy when it should
     model_dir = save_ppo_models(roles, tokenizer, run.path)

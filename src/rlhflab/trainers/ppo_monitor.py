@@ -63,17 +63,37 @@ class RunWatch:
         self.best = BestPolicy(roles) if monitor is not None and keep_best else None
         self.alarms: list[dict] = []
         self.stopped: dict | None = None
+        self.observed: list[tuple[int, dict]] = []  # every row fed to the monitor, to rebuild it on resume
 
     def observe(self, step: int, metrics: dict) -> None:
         """Feed a row just logged; log each new alarm as `alarm/<name>` = 1 and as a warning."""
         if self.monitor is None:
             return
+        self.observed.append((step, dict(metrics)))
         if self.best is not None and "val/pass_rate" in metrics:
             self.best.offer(step, float(metrics["val/pass_rate"]))
         for alarm in self.monitor.observe(step, metrics):
             self.alarms.append(alarm)
             self.run.log({f"alarm/{alarm['name']}": 1}, step=step)
             log.warning("alarm %s at update %d: %s", alarm["name"], step, alarm["reason"])
+
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps: alarms so far, the rows the monitor saw, the best policy's tensors."""
+        best = None
+        if self.best is not None and self.best.state is not None:
+            best = {"step": self.best.step, "pass_rate": self.best.pass_rate, "params": self.best.state}
+        return {"alarms": self.alarms, "stopped": self.stopped, "observed": self.observed, "best": best}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Rebuild the monitor by replaying the rows it saw (its alarms were already logged: not again)."""
+        self.alarms, self.stopped = list(state["alarms"]), state["stopped"]
+        self.observed = [(int(step), row) for step, row in state["observed"]]
+        if self.monitor is not None:
+            for step, row in self.observed:
+                self.monitor.observe(step, row)
+        if self.best is not None and state["best"] is not None:
+            self.best.step, self.best.pass_rate = state["best"]["step"], state["best"]["pass_rate"]
+            self.best.state = [t.clone() for t in state["best"]["params"]]
 
     def should_stop(self, step: int, episode: int) -> bool:
         reason = self.monitor.stop_reason() if self.monitor is not None else None

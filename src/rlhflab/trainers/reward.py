@@ -21,11 +21,13 @@ import torch
 from tqdm.auto import tqdm
 
 from rlhflab import data, models, tasks
-from rlhflab.config import RMConfig, write_config
+from rlhflab.checkpoint import Checkpointer, open_run
+from rlhflab.config import RMConfig
 from rlhflab.core import bradley_terry_loss, reward_centering_penalty
 from rlhflab.errors import UserInputError
 from rlhflab.rollout import GenerationSettings, generate_answers
-from rlhflab.tracking import RunDir, RunResult, default_run_path
+from rlhflab.tracking import RunDir, RunResult
+from rlhflab.trainers.single_state import pack_single, unpack_single
 from rlhflab.trainers.setup import (
     configure_threads,
     make_optimizer,
@@ -53,9 +55,20 @@ def tokenize_pairs(pairs: list[data.PairExample], tokenizer, max_length: int) ->
             for p, c, r in zip(pairs, seqs[0::2], seqs[1::2])]
 
 
-def suite_pairs(cfg: RMConfig) -> dict[str, list[data.PairExample]]:
-    """Built-in pairs for each split; `pair_kinds` restricts the rejected answers' violations."""
+def pair_prompt_sets(cfg: RMConfig) -> dict[str, list[tasks.TaskItem]]:
+    """The prompts pairs are built on: the fixed splits, or fresh train-pool prompts for training.
+
+    Fresh prompts (`pair_prompts`) show the reward model far more content than the fixed
+    train prompts do, as the SFT demonstrations do for the policy; held-out splits stay fixed.
+    """
     splits = tasks.build_splits(cfg.split_seed, cfg.num_train_prompts, cfg.num_validation_prompts, cfg.num_test_prompts)
+    if cfg.pair_prompts:
+        splits["train"] = tasks.sample_items("train", cfg.pair_prompts, seed=cfg.seed, split_seed=cfg.split_seed)
+    return splits
+
+
+def suite_pairs(cfg: RMConfig, splits: dict[str, list[tasks.TaskItem]]) -> dict[str, list[data.PairExample]]:
+    """Built-in pairs for each split; `pair_kinds` restricts the rejected answers' violations."""
     kinds = [k.strip() for k in cfg.pair_kinds.split(",") if k.strip()] or None
     out = {}
     for split, items in splits.items():
@@ -88,10 +101,9 @@ def load_pairs(cfg: RMConfig, tokenizer) -> dict[str, list[TokenizedPair]]:
     if cfg.hard_negatives and cfg.train_file:
         raise UserInputError("hard negatives need the built-in suite's checker", "--hard_negatives",
                              "drop --hard_negatives, or add the policy's failing answers to your pairs file")
-    pairs = suite_pairs(cfg)
+    splits = pair_prompt_sets(cfg)
+    pairs = suite_pairs(cfg, splits)
     if cfg.hard_negatives:
-        splits = tasks.build_splits(cfg.split_seed, cfg.num_train_prompts, cfg.num_validation_prompts,
-                                    cfg.num_test_prompts)
         for split, items in splits.items():
             pairs[split] += hard_negative_pairs(cfg, tokenizer, items)
         log.info("hard negatives (the policy's failing answers): %s",
@@ -154,6 +166,8 @@ def train_step(model, optimizer, scheduler, batch: list[TokenizedPair], pad_id: 
     loss.backward()
     clip = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    if not torch.isfinite(grad_norm):
+        raise FloatingPointError("non-finite reward-model gradient norm")
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
@@ -178,9 +192,7 @@ def train(cfg: RMConfig, run: RunDir | None = None) -> RunResult:
     model.train()
     # 2. pairs, validated and tokenised before the run folder exists
     pairs = load_pairs(cfg, tokenizer)
-    run = run or RunDir(cfg.output_dir or default_run_path("rm"), overwrite=cfg.overwrite, report_to=cfg.report_to)
-    write_config(cfg, run.path / "config.yaml")
-    run.write_versions()
+    run, resumed = open_run(cfg, "rm") if run is None else (run, None)
     steps_per_epoch = math.ceil(len(pairs["train"]) / cfg.batch_size)
     total = steps_per_epoch * cfg.num_epochs
     optimizer = make_optimizer(model.parameters(), cfg)
@@ -188,23 +200,36 @@ def train(cfg: RMConfig, run: RunDir | None = None) -> RunResult:
     rng = random.Random(cfg.seed)
     log.info("reward model: %d train pairs, %d steps", len(pairs["train"]), total)
 
-    # 3. epochs over shuffled pairs
+    done = 0  # steps already trained: all but the data order come back from a checkpoint
+    if resumed is not None:
+        done = unpack_single(resumed, model, optimizer, scheduler)["step"]
+    pack = lambda: pack_single(model, optimizer, scheduler, {"step": done})  # noqa: E731
+
+    # 3. epochs over shuffled pairs (a resumed run replays the shuffles and skips the steps done)
     step = 0
-    bar = tqdm(total=total, desc="rm", unit="step", disable=not cfg.progress)
-    for _ in range(cfg.num_epochs):
-        order = list(range(len(pairs["train"])))
-        rng.shuffle(order)
-        for start in range(0, len(order), cfg.batch_size):
-            step += 1
-            batch = [pairs["train"][i] for i in order[start : start + cfg.batch_size]]
-            try:
-                stats = train_step(model, optimizer, scheduler, batch, tokenizer.pad_token_id, cfg)
-            except FloatingPointError as err:
-                raise FloatingPointError(f"reward-model step {step}: {err}; no model written after it") from err
-            if step % cfg.log_every == 0 or step == total:
-                run.log({**stats, "lr": scheduler.get_last_lr()[0]}, step=step)
-                bar.set_postfix(loss=f"{stats['loss/rm']:.3f}", acc=f"{stats['rm/accuracy']:.2f}")
-            bar.update(1)
+    bar = tqdm(total=total, initial=done, desc="rm", unit="step", disable=not cfg.progress)
+    with Checkpointer(run.path, cfg.save_every, cfg.keep_last_n) as saver:  # SIGINT / SIGTERM handlers inside
+        for _ in range(cfg.num_epochs):
+            order = list(range(len(pairs["train"])))
+            rng.shuffle(order)
+            for start in range(0, len(order), cfg.batch_size):
+                step += 1
+                if step <= done:
+                    continue
+                batch = [pairs["train"][i] for i in order[start : start + cfg.batch_size]]
+                try:
+                    stats = train_step(model, optimizer, scheduler, batch, tokenizer.pad_token_id, cfg)
+                except FloatingPointError as err:
+                    raise FloatingPointError(f"reward-model step {step}: {err}; no checkpoint or model written "
+                                             "after it") from err
+                if step % cfg.log_every == 0 or step == total:
+                    run.log({**stats, "lr": scheduler.get_last_lr()[0]}, step=step)
+                    bar.set_postfix(loss=f"{stats['loss/rm']:.3f}", acc=f"{stats['rm/accuracy']:.2f}")
+                bar.update(1)
+                # checkpoint when due, or when SIGINT / SIGTERM asked (then raises Interrupted)
+                done = step
+                saver.step_done(step, pack)
+        saver.finish(done, pack)
     bar.close()
 
     # 4. held-out metrics per split, then the model as an ordinary HF folder

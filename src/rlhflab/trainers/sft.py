@@ -24,9 +24,11 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from rlhflab import data, models, tasks
-from rlhflab.config import SFTConfig, write_config
+from rlhflab.checkpoint import Checkpointer, open_run
+from rlhflab.config import SFTConfig
 from rlhflab.errors import UserInputError
-from rlhflab.tracking import RunDir, RunResult, default_run_path
+from rlhflab.tracking import RunDir, RunResult
+from rlhflab.trainers.single_state import pack_single, unpack_single
 from rlhflab.trainers.validation import validate_pass_rate
 from rlhflab.trainers.setup import (
     check_full_precision,
@@ -175,9 +177,7 @@ def train(cfg: SFTConfig, run: RunDir | None = None) -> RunResult:
     model.train()
     # 2. data, validated and tokenised before the run folder is created
     sft_data = load_sft_data(cfg, tokenizer)
-    run = run or RunDir(cfg.output_dir or default_run_path("sft"), overwrite=cfg.overwrite, report_to=cfg.report_to)
-    write_config(cfg, run.path / "config.yaml")
-    run.write_versions()
+    run, resumed = open_run(cfg, "sft") if run is None else (run, None)
     order_rng = random.Random(cfg.seed)
     optimizer = make_optimizer(model.parameters(), cfg)
     scheduler = make_scheduler(optimizer, cfg, cfg.max_steps)
@@ -186,25 +186,39 @@ def train(cfg: SFTConfig, run: RunDir | None = None) -> RunResult:
 
     lengths = [len(e.prompt_ids) + len(e.completion_ids) for e in sft_data.train]
     batches = batch_stream(lengths, cfg.batch_size, cfg.group_by_length, order_rng)
-    bar = tqdm(range(1, cfg.max_steps + 1), desc="sft", unit="step", disable=not cfg.progress)
-    for step in bar:
-        # 3. next batch: shuffled passes over the data (grouped by length if asked)
-        batch_ids = next(batches)
-        # 4. one optimiser step with completion-only loss
-        try:
-            stats = train_step(model, optimizer, scheduler, [sft_data.train[i] for i in batch_ids],
-                               tokenizer.pad_token_id, cfg)
-        except FloatingPointError as err:
-            raise FloatingPointError(f"SFT step {step}: {err}; no model written after it") from err
-        if step % cfg.log_every == 0 or step == cfg.max_steps:
-            run.log({**stats, "lr": scheduler.get_last_lr()[0], "elapsed_s": time.time() - started}, step=step)
-            bar.set_postfix(loss=f"{stats['loss/sft']:.3f}")
-        # 5. periodic validation: loss on reference answers and checked pass rate
-        if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.max_steps:
-            metrics = evaluate_now(model, tokenizer, sft_data, cfg, step, run)
-            bar.set_postfix(loss=f"{stats['loss/sft']:.3f}", **{k.replace("/", "_"): f"{v:.3f}" for k, v in metrics.items()})
+    done, stats, metrics = 0, {}, {}
+    if resumed is not None:  # weights, optimiser, RNGs back; replay the data order of the steps done
+        progress = unpack_single(resumed, model, optimizer, scheduler)
+        done, stats, metrics = progress["step"], progress["stats"], progress["metrics"]
+        for _ in range(done):
+            next(batches)
+    pack = lambda: pack_single(model, optimizer, scheduler,  # noqa: E731
+                               {"step": done, "stats": stats, "metrics": metrics})
+    bar = tqdm(range(done + 1, cfg.max_steps + 1), desc="sft", unit="step", disable=not cfg.progress)
+    with Checkpointer(run.path, cfg.save_every, cfg.keep_last_n) as saver:  # SIGINT / SIGTERM handlers inside
+        for step in bar:
+            # 3. next batch: shuffled passes over the data (grouped by length if asked)
+            batch_ids = next(batches)
+            # 4. one optimiser step with completion-only loss
+            try:
+                stats = train_step(model, optimizer, scheduler, [sft_data.train[i] for i in batch_ids],
+                                   tokenizer.pad_token_id, cfg)
+            except FloatingPointError as err:
+                raise FloatingPointError(f"SFT step {step}: {err}; no checkpoint or model written after it") from err
+            if step % cfg.log_every == 0 or step == cfg.max_steps:
+                run.log({**stats, "lr": scheduler.get_last_lr()[0], "elapsed_s": time.time() - started}, step=step)
+                bar.set_postfix(loss=f"{stats['loss/sft']:.3f}")
+            # 5. periodic validation: loss on reference answers and checked pass rate
+            if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.max_steps:
+                metrics = evaluate_now(model, tokenizer, sft_data, cfg, step, run)
+                bar.set_postfix(loss=f"{stats['loss/sft']:.3f}",
+                                **{k.replace("/", "_"): f"{v:.3f}" for k, v in metrics.items()})
+            # 6. checkpoint when due, or when SIGINT / SIGTERM asked (then raises Interrupted)
+            done = step
+            saver.step_done(step, pack)
+        saver.finish(done, pack)
 
-    # 6. the model, as an ordinary HF folder
+    # 7. the model, as an ordinary HF folder
     model_dir = run.path / "model"
     models.save_model_folder(model_dir, model, tokenizer)
     summary = run.update_summary(

@@ -1,0 +1,178 @@
+"""Open a run folder fresh or resumed, and the loop's checkpoint saver.
+
+Resuming (`--resume latest` or `--resume RUN/checkpoints/step-N`) reuses the run folder
+without wiping it: its config must match the saved config.yaml (or `--allow_config_change`,
+recorded in summary.json), metrics.jsonl / samples.jsonl are cut back to their length at
+the checkpoint so the history reads as if the run had never stopped, and complete
+checkpoints newer than the one resumed from (an abandoned future) are deleted.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import yaml
+
+from rlhflab.checkpoint.folder import complete_checkpoints, latest_checkpoint, load_checkpoint, remove_checkpoint
+from rlhflab.checkpoint.folder import save_checkpoint, step_of
+from rlhflab.checkpoint.signals import Interrupted, StopSignals
+from rlhflab.checkpoint.state import all_finite
+from rlhflab.config import config_to_dict, write_config
+from rlhflab.errors import UserInputError
+from rlhflab.tracking import RunDir, default_run_path
+
+log = logging.getLogger("rlhflab")
+
+# Keys that change nothing a run computes: they may differ between the run and its resume.
+IGNORED_KEYS = ("resume", "allow_config_change", "progress", "overwrite", "save_every", "keep_last_n")
+HISTORIES = ("metrics.jsonl", "samples.jsonl")
+
+
+@dataclass(frozen=True)
+class Resumed:
+    checkpoint: Path
+    step: int
+    weights: dict[str, torch.Tensor]
+    state: dict  # what the trainer packed, plus "histories"
+    config_changes: dict[str, dict]
+
+
+def resume_target(cfg) -> tuple[Path, Path]:
+    """(run folder, checkpoint folder) named by `cfg.resume`."""
+    if cfg.resume == "latest":
+        if not cfg.output_dir:
+            raise UserInputError("--resume latest needs the run folder", "--output_dir",
+                                 "pass --output_dir RUN (the folder of the run to continue)")
+        run_path = Path(cfg.output_dir)
+        found = latest_checkpoint(run_path / "checkpoints")
+        if found is None:
+            raise UserInputError("no complete checkpoint to resume from", str(run_path / "checkpoints"),
+                                 "start the run again (with --overwrite to replace the folder)")
+        return run_path, found
+    checkpoint = Path(cfg.resume)
+    if step_of(checkpoint) is None or checkpoint.parent.name != "checkpoints":
+        raise UserInputError("not a checkpoint folder (RUN/checkpoints/step-N)", f"--resume {cfg.resume}",
+                             "pass a step-N folder, or --resume latest --output_dir RUN")
+    run_path = checkpoint.parent.parent
+    if cfg.output_dir and Path(cfg.output_dir).resolve() != run_path.resolve():
+        raise UserInputError(f"the checkpoint belongs to run {run_path}, not --output_dir {cfg.output_dir}",
+                             "--resume", "drop --output_dir, or pass a checkpoint of that run")
+    return run_path, checkpoint
+
+
+def config_changes(cfg, saved: Path) -> dict[str, dict]:
+    """{key: {"was", "now"}} for every field that differs from the run's config.yaml (IGNORED_KEYS aside)."""
+    if not saved.is_file():
+        raise UserInputError("the run folder has no config.yaml", str(saved.parent), "is this a run folder?")
+    was = yaml.safe_load(saved.read_text()) or {}
+    now = config_to_dict(cfg)
+    keys = (set(was) | set(now)) - set(IGNORED_KEYS) - {"output_dir"}
+    return {k: {"was": was.get(k), "now": now.get(k)} for k in sorted(keys) if was.get(k) != now.get(k)}
+
+
+def history_position(run_path: Path) -> dict[str, dict]:
+    """Bytes and lines of each history file now; a resume cuts the files back to this."""
+    out = {}
+    for name in HISTORIES:
+        file = run_path / name
+        text = file.read_bytes() if file.exists() else b""
+        out[name] = {"bytes": len(text), "lines": text.count(b"\n")}
+    return out
+
+
+def restore_histories(run_path: Path, position: dict[str, dict]) -> None:
+    for name, at in position.items():
+        file = run_path / name
+        size = file.stat().st_size if file.exists() else 0
+        if size < at["bytes"]:
+            raise UserInputError(f"{name} is shorter ({size} bytes) than at the checkpoint ({at['bytes']})",
+                                 str(file), "the run folder was changed; resume from a copy that was not")
+        os.truncate(file, at["bytes"])
+        if file.read_bytes().count(b"\n") != at["lines"]:
+            raise UserInputError(f"{name} does not match the checkpoint's history", str(file))
+
+
+def open_run(cfg, stage: str) -> tuple[RunDir, Resumed | None]:
+    """The run folder, fresh (config.yaml and versions.json written) or resumed from `cfg.resume`."""
+    if not cfg.resume:
+        run = RunDir(cfg.output_dir or default_run_path(stage), overwrite=cfg.overwrite, report_to=cfg.report_to)
+        shutil.rmtree(run.path / "checkpoints", ignore_errors=True)  # a replaced run's: never resume into them
+        write_config(cfg, run.path / "config.yaml")
+        run.write_versions()
+        return run, None
+    run_path, checkpoint = resume_target(cfg)
+    changes = config_changes(cfg, run_path / "config.yaml")
+    if changes and not cfg.allow_config_change:
+        listed = "; ".join(f"{k}: {v['was']!r} -> {v['now']!r}" for k, v in changes.items())
+        raise UserInputError(f"the config differs from the run's config.yaml ({listed})", f"--resume {cfg.resume}",
+                             "resume with the run's own settings, or pass --allow_config_change to proceed")
+    step, weights, state = load_checkpoint(checkpoint)
+    restore_histories(run_path, state["histories"])
+    for newer in [p for p in complete_checkpoints(checkpoint.parent) if step_of(p) > step]:
+        log.warning("removing %s: resuming from step %d abandons it", newer, step)
+        remove_checkpoint(newer)
+    run = RunDir(run_path, resume=True, report_to=cfg.report_to)
+    if changes:
+        write_config(cfg, run_path / "config.yaml")
+        log.warning("resuming with config changes: %s", changes)
+    run.write_versions()
+    summary = json.loads((run_path / "summary.json").read_text()) if (run_path / "summary.json").exists() else {}
+    run.update_summary(resumes=[*summary.get("resumes", []),
+                                {"step": step, "checkpoint": str(checkpoint), "config_changes": changes}])
+    log.info("resuming %s from %s (step %d)", stage, checkpoint, step)
+    return run, Resumed(checkpoint, step, weights, state, changes)
+
+
+Contents = Callable[[], tuple[dict[str, torch.Tensor], dict]]
+
+
+class Checkpointer:
+    """The loop's side of checkpoints: every `save_every` steps, at the end, and when a stop signal came.
+
+    Use as a context manager around the loop (it installs the SIGINT / SIGTERM handlers).
+    `contents()` packs (weights, state) only when a checkpoint is actually written.
+    """
+
+    def __init__(self, run_path: Path, save_every: int, keep_last_n: int):
+        self.run_path = run_path
+        self.root = run_path / "checkpoints"
+        self.save_every = save_every
+        self.keep_last_n = keep_last_n
+        self.signals = StopSignals()
+        self.saved_step: int | None = None
+
+    def __enter__(self) -> Checkpointer:
+        self.signals.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.signals.__exit__(*exc)
+
+    def step_done(self, step: int, contents: Contents) -> None:
+        """After a finished step: save when due or when a signal asked; then raise `Interrupted` on a signal."""
+        signum = self.signals.requested
+        if signum is not None or (self.save_every > 0 and step % self.save_every == 0):
+            self.save(step, contents)
+        if signum is not None:
+            raise Interrupted(signum, step, self.root / f"step-{step}")
+
+    def finish(self, step: int, contents: Contents) -> None:
+        """The end-of-run checkpoint, unless this step was just saved."""
+        if self.saved_step != step:
+            self.save(step, contents)
+
+    def save(self, step: int, contents: Contents) -> Path:
+        weights, state = contents()
+        if not all_finite(weights):  # DESIGN.md: never checkpoint after a non-finite loss or gradient
+            raise FloatingPointError(f"step {step}: non-finite weights; no checkpoint written")
+        path = save_checkpoint(self.root, step, weights, {**state, "histories": history_position(self.run_path)},
+                               self.keep_last_n)
+        self.saved_step = step
+        return path
