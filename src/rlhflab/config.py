@@ -35,6 +35,9 @@ class RunFields:
     output_dir: str = arg("", "run folder to write; empty = runs/<stage>-<timestamp>", aliases=["--out"])
     overwrite: bool = arg(False, "allow writing into a folder that already holds another run")
     seed: int = arg(0, "seed for model init, data order and sampling")
+    deterministic: bool = arg(False, "torch.use_deterministic_algorithms(True) (warn_only) and, on CUDA, "
+                                     "deterministic cuDNN and CUBLAS_WORKSPACE_CONFIG=:4096:8; recorded in "
+                                     "versions.json")
     threads: int = arg(0, "torch CPU threads; 0 = all cores (OMP_WAIT_POLICY=PASSIVE is set for you)")
     log_every: int = arg(10, "write metrics every N optimiser steps")
     report_to: str = arg("none", "extra metric sinks besides metrics.jsonl: none, or any of tensorboard, wandb, "
@@ -110,7 +113,7 @@ class GenerationFields:
 
 @dataclass(frozen=True)
 class CheckpointFields:
-    """Checkpoints and resume (rlhflab.checkpoint; README "Checkpoints and resume")."""
+    """Checkpoints, resume and non-finite guards (rlhflab.checkpoint; README "Checkpoints and resume")."""
 
     save_every: int = arg(0, "write RUN/checkpoints/step-N every N optimiser steps (PPO: updates) and at the end; "
                              "0 = only at the end")
@@ -120,6 +123,9 @@ class CheckpointFields:
                           "RUN/checkpoints/step-N folder; empty = start fresh")
     allow_config_change: bool = arg(False, "resume even though the config differs from the run's config.yaml "
                                            "(the differences are recorded in summary.json)")
+    nonfinite: Literal["stop", "skip"] = arg(
+        "stop", "on a non-finite loss, gradient norm or advantage: stop (naming step and rows; no checkpoint "
+                "after it) or skip (drop that optimiser update, count it in nonfinite/skipped_updates)")
 
 
 # --- stage configs ------------------------------------------------------------------

@@ -49,6 +49,7 @@ SHARED_PARTS = (RunFields, LoadFields, SuiteFields, GenerationFields)
 def shared_fields(demo: DemoConfig, stage_cls: type) -> dict:
     """The demo's values of the shared parts that `stage_cls` has."""
     names = {n for part in SHARED_PARTS for n in field_names(part)} - {"output_dir", "overwrite"}
+    names.add("nonfinite")  # the one CheckpointFields value every stage takes from the demo (save_every differs)
     return {n: getattr(demo, n) for n in names & set(field_names(stage_cls))}
 
 
@@ -127,7 +128,7 @@ def run_demo(cfg: DemoConfig) -> RunResult:
                              "resume the stage that stopped: rlhflab sft|rm|ppo --resume latest --output_dir RUN/<stage>")
     run = RunDir(cfg.output_dir or default_run_path("demo"), overwrite=cfg.overwrite, report_to=cfg.report_to)
     write_config(cfg, run.path / "config.yaml")
-    run.write_versions()
+    run.write_versions(cfg.seed)
     walls, answers, runs, finals = {}, {}, {}, {}
 
     def timed(name: str, t0: float) -> None:

@@ -3,7 +3,8 @@
 Every command that trains or evaluates writes one folder:
 
     config.yaml     the effective config (pass it back with --config)
-    versions.json   python, torch, transformers, peft, rlhflab, platform, CPU/GPU
+    versions.json   python, torch, transformers, peft, rlhflab, platform, CPU/GPU; seed and
+                    determinism settings (deterministic kernels, threads, CUBLAS/cuDNN flags)
     metrics.jsonl   one JSON object per logged step, always with "step"
     samples.jsonl   generated answers with their verdicts
     summary.json    the run's headline figures, machine-readable
@@ -61,6 +62,26 @@ def collect_versions() -> dict[str, Any]:
     }
 
 
+def determinism_settings(seed: int | None = None) -> dict[str, Any]:
+    """The seed and every process setting that decides whether a rerun gives the same numbers."""
+    import torch  # local, as above
+
+    out = {
+        "seed": seed,
+        "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+        "deterministic_warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
+        "torch_threads": torch.get_num_threads(),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+        "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
+    }
+    if torch.cuda.is_available():
+        out["cudnn"] = {"deterministic": torch.backends.cudnn.deterministic,
+                        "benchmark": torch.backends.cudnn.benchmark,
+                        "allow_tf32": torch.backends.cudnn.allow_tf32,
+                        "matmul_allow_tf32": torch.backends.cuda.matmul.allow_tf32}
+    return out
+
+
 def _jsonable(value: Any) -> Any:
     """Plain floats for tensors / numpy scalars; non-finite floats as strings JSON can hold."""
     if hasattr(value, "item"):
@@ -100,8 +121,9 @@ class RunDir:
         os.replace(tmp, target)
         return target
 
-    def write_versions(self) -> None:
-        self.write_json("versions.json", collect_versions())
+    def write_versions(self, seed: int | None = None) -> None:
+        """versions.json: software, hardware, and a `determinism` block (seed, torch settings)."""
+        self.write_json("versions.json", {**collect_versions(), "determinism": determinism_settings(seed)})
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         row = {"step": step, **{k: _jsonable(v) for k, v in metrics.items()}}

@@ -1,16 +1,21 @@
-"""Injected faults: NaN in a reward or a loss stops the run with no checkpoint after it; a damaged checkpoint
-is a clear error on resume, never a silent fresh start."""
+"""Injected faults: NaN in a reward, a loss or an advantage stops the run with no checkpoint after it (or, with
+--nonfinite skip, drops and counts the update); a damaged checkpoint is a clear error on resume, never a silent
+fresh start."""
 
+import json
 import math
 import os
+import re
+import shutil
 
 import pytest
 import torch
-from runcheck import ppo_args, sft_args, train
+from runcheck import assert_same_weights, metrics, ppo_args, rm_args, sft_args, train
+from safetensors.torch import load_file
 
 from rlhflab.checkpoint import complete_checkpoints
 from rlhflab.cli import main
-from rlhflab.trainers import ppo, sft
+from rlhflab.trainers import ppo, reward, sft
 
 
 def saved_steps(out) -> list[int]:
@@ -47,7 +52,8 @@ def test_a_nan_loss_stops_ppo_naming_update_and_rows_with_no_checkpoint_after_it
         return (loss * math.nan if len(seen) > per_update else loss), stats
 
     monkeypatch.setattr(ppo, "minibatch_losses", nan_at_update_2)
-    with pytest.raises(FloatingPointError, match=r"PPO update 2: non-finite loss nan \(rollout rows \[\d"):
+    with pytest.raises(FloatingPointError, match=r"PPO update 2: non-finite PPO loss nan at lr \S+ \(rollout rows "
+                                                 r"\[\d+(, \d+)*\], train prompts \[\d+(, \d+)*\]\); no checkpoint"):
         train(every_update(policy_dir, tmp_path / "run"))
     assert saved_steps(tmp_path / "run") == [1]
 
@@ -64,7 +70,9 @@ def test_a_nan_sft_loss_stops_naming_the_step_and_cli_exits_3(tmp_path, monkeypa
     monkeypatch.setattr(sft, "completion_loss_sum", nan_from_step_4)
     out = tmp_path / "run"
     assert main([*sft_args(out), "--save_every", "1", "--keep_last_n", "0"]) == 3
-    assert "SFT step 4: non-finite SFT loss nan" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "SFT step 4: non-finite SFT loss nan" in err
+    assert re.search(r"\(train examples \[\d+(, \d+){7}\]\); no checkpoint or model written after it", err)
     assert saved_steps(out) == [1, 2, 3] and not (out / "model").exists()
 
 
@@ -88,3 +96,113 @@ def test_weights_that_went_non_finite_are_never_checkpointed(tmp_path):
     with pytest.raises(FloatingPointError, match="step 7: non-finite weights"):
         saver.step_done(7, lambda: ({"w": torch.tensor([1.0, math.inf])}, {}))
     assert not (tmp_path / "checkpoints").exists() or not any((tmp_path / "checkpoints").iterdir())
+
+
+def nan_at_steps(real, steps: set[int], offset: int = 0):
+    """`real` (sft.completion_loss_sum) returning NaN during the training steps in `steps`; a step = one training
+    call (validation calls run with model.eval()); `offset` = steps already done by a resumed run."""
+    calls = []
+
+    def patched(model, batch):
+        loss = real(model, batch)
+        if not model.training:
+            return loss
+        calls.append(1)
+        return loss * math.nan if offset + len(calls) in steps else loss
+
+    return patched
+
+
+def same_tensors(a, b) -> bool:
+    left, right = load_file(str(a)), load_file(str(b))
+    return left.keys() == right.keys() and all(left[k].equal(right[k]) for k in left)
+
+
+def test_skip_mode_drops_nan_sft_steps_counts_them_and_resumes_exactly(tmp_path, monkeypatch):
+    real = sft.completion_loss_sum
+    out = tmp_path / "run"
+    args = [*sft_args(out), "--save_every", "1", "--keep_last_n", "0", "--nonfinite", "skip"]
+    monkeypatch.setattr(sft, "completion_loss_sum", nan_at_steps(real, {2, 7}))
+    train(args)
+    rows = metrics(out)
+    assert [r["nonfinite/skipped_updates"] for r in rows if "loss/sft" in r] == [0] + [1] * 5 + [2] * 10
+    assert [r["step"] for r in rows if r.get("loss/sft") == "nan"] == [2, 7]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["nonfinite"] == {"mode": "skip", "skipped_updates": 2} and (out / "model").is_dir()
+    steps = out / "checkpoints"
+    assert same_tensors(steps / "step-1" / "model.safetensors", steps / "step-2" / "model.safetensors")
+    assert not same_tensors(steps / "step-2" / "model.safetensors", steps / "step-3" / "model.safetensors")
+    # resumed between the two skips (one counted, one to come): the same history and weights, bit for bit
+    reference = tmp_path / "reference"
+    shutil.copytree(out, reference)
+    monkeypatch.setattr(sft, "completion_loss_sum", nan_at_steps(real, {2, 7}, offset=4))
+    train([*args, "--resume", str(steps / "step-4")])
+    assert metrics(out) == metrics(reference)
+    assert_same_weights(reference, out)
+
+
+def test_skip_mode_drops_nan_ppo_minibatch_steps_and_counts_them(policy_dir, tmp_path, monkeypatch):
+    real = ppo.minibatch_losses
+    seen = []
+    per_update = 2 * 2  # num_ppo_epochs x num_mini_batches
+    injected = set(range(2 * per_update + 1, 3 * per_update + 1)) | {4 * per_update + 2}  # all of update 3, one of 5
+
+    def nan_loss(roles, rollout, idx, *args):
+        loss, stats = real(roles, rollout, idx, *args)
+        seen.append(1)
+        return (loss * math.nan if len(seen) in injected else loss), stats
+
+    monkeypatch.setattr(ppo, "minibatch_losses", nan_loss)
+    out = tmp_path / "run"
+    train([*every_update(policy_dir, out), "--nonfinite", "skip"])
+    rows = [r for r in metrics(out) if "kl_coef" in r]  # the update rows, not the evaluations
+    assert [r["nonfinite/skipped_updates"] for r in rows] == [0, 0, 4, 4, 5, 5]
+    assert "loss/policy_avg" not in rows[2] and "loss/policy_avg" in rows[4]  # a dropped step's stats stay out
+    assert json.loads((out / "summary.json").read_text())["nonfinite"]["skipped_updates"] == 5
+    steps = out / "checkpoints"
+    assert same_tensors(steps / "step-2" / "model.safetensors", steps / "step-3" / "model.safetensors")
+    assert not same_tensors(steps / "step-3" / "model.safetensors", steps / "step-4" / "model.safetensors")
+    assert (out / "model").is_dir()
+
+
+def test_a_nan_reward_model_loss_stops_naming_the_step_and_its_pairs(policy_dir, tmp_path, monkeypatch):
+    real, calls = reward.bradley_terry_loss, []
+
+    def nan_at_step_3(chosen, rejected, **kwargs):
+        loss, stats = real(chosen, rejected, **kwargs)
+        calls.append(1)
+        return (loss * math.nan if len(calls) == 3 else loss), stats
+
+    monkeypatch.setattr(reward, "bradley_terry_loss", nan_at_step_3)
+    out = tmp_path / "run"
+    with pytest.raises(FloatingPointError, match=r"reward-model step 3: non-finite reward-model loss nan at lr \S+ "
+                                                 r"\(train pairs \[\d+, \d+, \d+, \d+\]\); no checkpoint"):
+        train([*rm_args(policy_dir, out), "--save_every", "1", "--keep_last_n", "0"])
+    assert saved_steps(out) == [1, 2]
+
+
+@pytest.mark.parametrize("mode", ["stop", "skip"])
+def test_non_finite_advantages_stop_naming_rows_and_prompts_or_drop_the_update(policy_dir, tmp_path, monkeypatch,
+                                                                              mode):
+    real, calls = ppo.gae, []
+
+    def nan_row_at_update_2(rewards, values, mask, gamma, lam):
+        advantages, returns = real(rewards, values, mask, gamma, lam)
+        calls.append(1)
+        if len(calls) == 2:
+            advantages[5, 0] = math.nan  # as a NaN value estimate of row 5 would
+        return advantages, returns
+
+    monkeypatch.setattr(ppo, "gae", nan_row_at_update_2)
+    out = tmp_path / "run"
+    args = [*every_update(policy_dir, out), "--nonfinite", mode]
+    if mode == "stop":
+        with pytest.raises(FloatingPointError, match=r"PPO update 2: non-finite advantages \(rollout rows \[5\], "
+                                                     r"train prompts \[\d+\]\); no checkpoint written after it"):
+            train(args)
+        assert saved_steps(out) == [1]
+        return
+    train(args)
+    assert [r["nonfinite/skipped_updates"] for r in metrics(out) if "kl_coef" in r] == [0, 4, 4, 4, 4, 4]
+    steps = out / "checkpoints"
+    assert same_tensors(steps / "step-1" / "model.safetensors", steps / "step-2" / "model.safetensors")

@@ -105,7 +105,7 @@ def open_run(cfg, stage: str) -> tuple[RunDir, Resumed | None]:
         run = RunDir(cfg.output_dir or default_run_path(stage), overwrite=cfg.overwrite, report_to=cfg.report_to)
         shutil.rmtree(run.path / "checkpoints", ignore_errors=True)  # a replaced run's: never resume into them
         write_config(cfg, run.path / "config.yaml")
-        run.write_versions()
+        run.write_versions(cfg.seed)
         return run, None
     run_path, checkpoint = resume_target(cfg)
     changes = config_changes(cfg, run_path / "config.yaml")
@@ -122,7 +122,7 @@ def open_run(cfg, stage: str) -> tuple[RunDir, Resumed | None]:
     if changes:
         write_config(cfg, run_path / "config.yaml")
         log.warning("resuming with config changes: %s", changes)
-    run.write_versions()
+    run.write_versions(cfg.seed)
     summary = json.loads((run_path / "summary.json").read_text()) if (run_path / "summary.json").exists() else {}
     run.update_summary(resumes=[*summary.get("resumes", []),
                                 {"step": step, "checkpoint": str(checkpoint), "config_changes": changes}])

@@ -42,7 +42,7 @@ def evaluate(cfg: EvalConfig, run: RunDir | None = None) -> RunResult:
     """`rlhflab eval`: pass rate of `cfg.model` on a split; writes samples and summary."""
     started = time.time()
     configure_threads(cfg.threads)
-    seed_everything(cfg.seed)
+    seed_everything(cfg.seed, cfg.deterministic)
     if not cfg.model:
         raise UserInputError("no model given", "--model", "pass a model folder, e.g. runs/demo-.../sft/model")
     tokenizer = models.load_tokenizer(cfg.tokenizer or cfg.model, trust_remote_code=cfg.trust_remote_code)
@@ -51,7 +51,7 @@ def evaluate(cfg: EvalConfig, run: RunDir | None = None) -> RunResult:
     items = eval_items(cfg)
     run = run or RunDir(cfg.output_dir or default_run_path("eval"), overwrite=cfg.overwrite, report_to=cfg.report_to)
     write_config(cfg, run.path / "config.yaml")
-    run.write_versions()
+    run.write_versions(cfg.seed)
     rows = answer_and_check(model, tokenizer, items, cfg, progress=cfg.progress)
     run.add_samples(rows)
     table = table_from_rows(rows)

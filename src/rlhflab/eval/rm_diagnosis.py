@@ -85,7 +85,7 @@ def diagnose(cfg: RMDiagnoseConfig, run: RunDir | None = None) -> RunResult:
     if not cfg.reward_model or not cfg.policy:
         raise UserInputError("both --reward_model and --policy are needed", "rlhflab rm diagnose")
     configure_threads(cfg.threads)
-    seed_everything(cfg.seed)
+    seed_everything(cfg.seed, cfg.deterministic)
     device = resolve_device(cfg.device)
     tokenizer = models.load_tokenizer(cfg.policy, trust_remote_code=cfg.trust_remote_code)
     policy = models.load_causal_lm(cfg.policy, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code, device=device)
@@ -97,7 +97,7 @@ def diagnose(cfg: RMDiagnoseConfig, run: RunDir | None = None) -> RunResult:
     run = run or RunDir(cfg.output_dir or default_run_path("rm-diagnose"), overwrite=cfg.overwrite,
                         report_to=cfg.report_to)
     write_config(cfg, run.path / "config.yaml")
-    run.write_versions()
+    run.write_versions(cfg.seed)
     rows = checked_answers(policy, tokenizer, items, cfg, progress=cfg.progress)
     with torch.no_grad():
         scored = rewards.ModelReward(rm, rm_tokenizer)([r["prompt"] for r in rows], [r["answer"] for r in rows], items)

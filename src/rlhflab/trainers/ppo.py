@@ -41,6 +41,7 @@ from rlhflab.trainers.ppo_eval import PPOEvaluator
 from rlhflab.trainers.ppo_monitor import Monitor, RunWatch
 from rlhflab.trainers.ppo_save import save_ppo_models
 from rlhflab.trainers.ppo_setup import build_reward, build_roles, check_ppo_config
+from rlhflab.trainers.nonfinite import clip_and_step
 from rlhflab.trainers.ppo_state import PPOProgress, pack_ppo, unpack_ppo
 from rlhflab.trainers.setup import configure_threads, make_optimizer, make_scheduler, seed_everything
 
@@ -95,38 +96,50 @@ def masked_var_of(x, mask):
 
 
 def ppo_epochs(roles, optimizer, scheduler, rollout: Rollout, advantages, returns, cfg: PPOConfig, generator,
-               update: int = 0):
-    """Step 6: num_ppo_epochs x num_mini_batches optimiser steps; returns averaged stats."""
+               update: int = 0, prompt_keys: list[int] | None = None):
+    """Step 6: num_ppo_epochs x num_mini_batches optimiser steps; returns averaged stats, and under
+    "skipped" how many of those steps a non-finite loss or gradient dropped (cfg.nonfinite == "skip";
+    "stop" raises naming the rollout rows and `prompt_keys[row]`, their train-prompt indices)."""
     roles.train(True)
     params = roles.trainable_parameters()
     batch = rollout.batch_size
     mb_size = batch // cfg.num_mini_batches
     micro = max(1, math.ceil(mb_size / cfg.gradient_accumulation_steps))
     history: list[dict] = []
+    skipped = 0
     for _ in range(cfg.num_ppo_epochs):
         order = torch.randperm(batch, generator=generator)
         for start in range(0, batch, mb_size):
             mb_idx = order[start : start + mb_size]
             mb_tokens = rollout.response_mask[mb_idx].sum().clamp(min=1)
+            mb_history, loss_value, rows = [], 0.0, mb_idx
             for m_start in range(0, mb_size, micro):
                 idx = mb_idx[m_start : m_start + micro]
                 weight = (rollout.response_mask[idx].sum() / mb_tokens).item()
                 loss, stats = minibatch_losses(roles, rollout, idx, advantages, returns, cfg, weight)
-                if not torch.isfinite(loss):
-                    raise FloatingPointError(f"PPO update {update}: non-finite loss {loss.item()} "
-                                             f"(rollout rows {idx.tolist()}); no checkpoint written after it")
+                if not torch.isfinite(loss):  # no backward through it: this minibatch's step is dropped below
+                    loss_value, rows = loss.item(), idx
+                    break
                 loss.backward()
-                history.append(stats)
-            clip = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, clip)
-            if not torch.isfinite(grad_norm):
-                raise FloatingPointError(f"PPO update {update}: non-finite gradient norm "
-                                         f"(rollout rows {mb_idx.tolist()}); no checkpoint written after it")
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            history[-1]["grad_norm"] = grad_norm.detach()
-    return average_stats(history)
+                mb_history.append(stats)
+            try:
+                grad_norm = clip_and_step(optimizer, scheduler, params, cfg.max_grad_norm, loss_value, cfg.nonfinite,
+                                          "PPO")
+            except FloatingPointError as err:
+                raise FloatingPointError(f"PPO update {update}: {err} ({_rows(rows.tolist(), prompt_keys)}); "
+                                         "no checkpoint written after it") from err
+            if grad_norm is None:  # dropped: its stats stay out of the averages
+                skipped += 1
+                continue
+            mb_history[-1]["grad_norm"] = grad_norm.detach()
+            history.extend(mb_history)
+    return {**average_stats(history), "skipped": skipped}
+
+
+def _rows(rows: list[int], prompt_keys: list[int] | None) -> str:
+    """Rollout rows, and the train-prompt indices they answered, for an error message."""
+    named = f"rollout rows {rows}"
+    return f"{named}, train prompts {[prompt_keys[r] for r in rows]}" if prompt_keys is not None else named
 
 
 def average_stats(history: list[dict]) -> dict:
@@ -176,7 +189,7 @@ def train(cfg: PPOConfig, run: RunDir | None = None, reward_fn=None, monitor: Mo
     started = time.time()
     check_ppo_config(cfg)
     configure_threads(cfg.threads)
-    seed_everything(cfg.seed)
+    seed_everything(cfg.seed, cfg.deterministic)
     roles, tokenizer = build_roles(cfg)
     splits = tasks.build_splits(cfg.split_seed, cfg.num_train_prompts, cfg.num_validation_prompts, cfg.num_test_prompts)
     train_items = splits["train"]
@@ -206,9 +219,9 @@ def train(cfg: PPOConfig, run: RunDir | None = None, reward_fn=None, monitor: Mo
     else:
         progress = unpack_ppo(resumed, roles, optimizer, scheduler, kl_ctl, generators, watch)
     first, last_eval, last, order = progress.first, progress.last_eval, progress.last, progress.order
-    done, episode, finished = progress.update, progress.episode, progress.finished
+    done, episode, finished, skipped = progress.update, progress.episode, progress.finished, progress.skipped
     pack = lambda: pack_ppo(roles, optimizer, scheduler, kl_ctl, generators, PPOProgress(  # noqa: E731
-        done, episode, order, first, last_eval, last, finished), watch)  # reads the loop's variables when called
+        done, episode, order, first, last_eval, last, finished, skipped), watch)  # reads the loop's variables
     start = num_updates if finished else done
     with Checkpointer(run.path, cfg.save_every, cfg.keep_last_n) as saver:  # SIGINT / SIGTERM handlers inside
         bar = tqdm(range(start + 1, num_updates + 1), desc="ppo", unit="update", disable=not cfg.progress)
@@ -235,12 +248,19 @@ def train(cfg: PPOConfig, run: RunDir | None = None, reward_fn=None, monitor: Mo
                 rewards = whiten(rewards, mask, shift_mean=False)
             # 5. advantages (GAE) and returns, advantages whitened over the rollout
             advantages, returns = gae(rewards, rollout.values, mask, cfg.gamma, cfg.lam)
+            bad_rows = (~torch.isfinite(advantages + returns)).any(dim=1)  # before whitening spreads it to all rows
             if cfg.whiten_advantages:
                 advantages = whiten(advantages, mask)
             t2 = time.time()
-            # 6. PPO epochs over minibatches
+            # 6. PPO epochs over minibatches (non-finite advantages: stop, or drop the whole update's steps)
+            if bad_rows.any() and cfg.nonfinite == "stop":
+                raise FloatingPointError(f"PPO update {update}: non-finite advantages "
+                                         f"({_rows(bad_rows.nonzero().flatten().tolist(), batch_ids)}); "
+                                         "no checkpoint written after it")
             masked_rollout = rollout if bool(valid.all()) else dataclasses.replace(rollout, response_mask=mask)
-            stats = ppo_epochs(roles, optimizer, scheduler, masked_rollout, advantages, returns, cfg, generator, update)
+            stats = {"skipped": cfg.num_ppo_epochs * cfg.num_mini_batches} if bad_rows.any() else ppo_epochs(
+                roles, optimizer, scheduler, masked_rollout, advantages, returns, cfg, generator, update, batch_ids)
+            skipped += stats.pop("skipped")
             t3 = time.time()
             # 7. KL coefficient, metrics, periodic evaluation
             kl_coef_used = kl_ctl.value
@@ -254,6 +274,7 @@ def train(cfg: PPOConfig, run: RunDir | None = None, reward_fn=None, monitor: Mo
                 "tokens_per_s": generated_tokens / max(rollout.seconds["generation"], 1e-9),
                 "time/generation": rollout.seconds["generation"],
                 "time/scoring": rollout.seconds["forward"] + (t2 - t1), "time/training": t3 - t2,
+                **({"nonfinite/skipped_updates": skipped} if cfg.nonfinite == "skip" else {}),
             }
             run.log(last, step=update)
             watch.observe(update, last)
@@ -280,6 +301,7 @@ def train(cfg: PPOConfig, run: RunDir | None = None, reward_fn=None, monitor: Mo
         final={k: last[k] for k in ("objective/kl", "objective/scores", "objective/rlhf_reward", "eps",
                                     "response/length_mean", "kl_coef")},
         wall_time_s={"ppo": round(time.time() - started, 1)}, model_dir=str(model_dir), **monitored,
+        nonfinite={"mode": cfg.nonfinite, "skipped_updates": skipped},
     )
     run.close()
     return RunResult(run.path, summary, model_dir)

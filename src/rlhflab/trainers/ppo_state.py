@@ -30,6 +30,7 @@ class PPOProgress:
     last_eval: dict = field(default_factory=dict)
     last: dict = field(default_factory=dict)  # the last update's metrics
     finished: bool = False  # the loop ended (all updates, or the monitor stopped it)
+    skipped: int = 0  # optimiser steps dropped by nonfinite=skip so far
 
 
 def role_modules(roles: PolicyRoles) -> dict[str, torch.nn.Module]:

@@ -27,6 +27,7 @@ from rlhflab.core import bradley_terry_loss, reward_centering_penalty
 from rlhflab.errors import UserInputError
 from rlhflab.rollout import GenerationSettings, generate_answers
 from rlhflab.tracking import RunDir, RunResult
+from rlhflab.trainers.nonfinite import clip_and_step
 from rlhflab.trainers.single_state import pack_single, unpack_single
 from rlhflab.trainers.setup import (
     configure_threads,
@@ -161,18 +162,11 @@ def train_step(model, optimizer, scheduler, batch: list[TokenizedPair], pad_id: 
     loss, stats = bradley_terry_loss(chosen, rejected, margin=cfg.margin if cfg.margin else None)
     if cfg.center_rewards_coef > 0:
         loss = loss + reward_centering_penalty(chosen, rejected, cfg.center_rewards_coef)
-    if not torch.isfinite(loss):
-        raise FloatingPointError(f"non-finite reward-model loss {loss.item()}")
     loss.backward()
-    clip = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-    if not torch.isfinite(grad_norm):
-        raise FloatingPointError("non-finite reward-model gradient norm")
-    optimizer.step()
-    scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
+    grad_norm = clip_and_step(optimizer, scheduler, model.parameters(), cfg.max_grad_norm, loss.item(), cfg.nonfinite,
+                              "reward-model")  # None: a non-finite update was dropped (nonfinite=skip)
     return {"loss/rm": loss.item(), "rm/accuracy": stats["accuracy"].item(), "rm/margin": stats["margin"].item(),
-            "grad_norm": grad_norm.item()}
+            "grad_norm": math.nan if grad_norm is None else grad_norm.item(), "skipped": grad_norm is None}
 
 
 def train(cfg: RMConfig, run: RunDir | None = None) -> RunResult:
@@ -181,7 +175,7 @@ def train(cfg: RMConfig, run: RunDir | None = None) -> RunResult:
     if not cfg.model:
         raise UserInputError("no backbone given", "--model", "pass the SFT model folder (or any HF causal LM)")
     configure_threads(cfg.threads)
-    seed_everything(cfg.seed)
+    seed_everything(cfg.seed, cfg.deterministic)
     # 1. backbone -> scalar reward model (score head: small normal, zero bias)
     tokenizer = models.load_tokenizer(cfg.tokenizer or cfg.model, trust_remote_code=cfg.trust_remote_code)
     model = models.build_reward_model_from_causal(cfg.model, tokenizer, dtype=cfg.dtype,
@@ -200,10 +194,11 @@ def train(cfg: RMConfig, run: RunDir | None = None) -> RunResult:
     rng = random.Random(cfg.seed)
     log.info("reward model: %d train pairs, %d steps", len(pairs["train"]), total)
 
-    done = 0  # steps already trained: all but the data order come back from a checkpoint
+    done, skipped = 0, 0  # steps already trained: all but the data order come back from a checkpoint
     if resumed is not None:
-        done = unpack_single(resumed, model, optimizer, scheduler)["step"]
-    pack = lambda: pack_single(model, optimizer, scheduler, {"step": done})  # noqa: E731
+        progress = unpack_single(resumed, model, optimizer, scheduler)
+        done, skipped = progress["step"], progress.get("skipped", 0)
+    pack = lambda: pack_single(model, optimizer, scheduler, {"step": done, "skipped": skipped})  # noqa: E731
 
     # 3. epochs over shuffled pairs (a resumed run replays the shuffles and skips the steps done)
     step = 0
@@ -216,12 +211,16 @@ def train(cfg: RMConfig, run: RunDir | None = None) -> RunResult:
                 step += 1
                 if step <= done:
                     continue
-                batch = [pairs["train"][i] for i in order[start : start + cfg.batch_size]]
+                batch_ids = order[start : start + cfg.batch_size]
                 try:
-                    stats = train_step(model, optimizer, scheduler, batch, tokenizer.pad_token_id, cfg)
+                    stats = train_step(model, optimizer, scheduler, [pairs["train"][i] for i in batch_ids],
+                                       tokenizer.pad_token_id, cfg)
                 except FloatingPointError as err:
-                    raise FloatingPointError(f"reward-model step {step}: {err}; no checkpoint or model written "
-                                             "after it") from err
+                    raise FloatingPointError(f"reward-model step {step}: {err} (train pairs {batch_ids}); no "
+                                             "checkpoint or model written after it") from err
+                skipped += stats.pop("skipped")
+                if cfg.nonfinite == "skip":
+                    stats["nonfinite/skipped_updates"] = skipped
                 if step % cfg.log_every == 0 or step == total:
                     run.log({**stats, "lr": scheduler.get_last_lr()[0]}, step=step)
                     bar.set_postfix(loss=f"{stats['loss/rm']:.3f}", acc=f"{stats['rm/accuracy']:.2f}")
@@ -237,6 +236,7 @@ def train(cfg: RMConfig, run: RunDir | None = None) -> RunResult:
     run.log({f"{split}/{k}": v[k] for split, v in metrics.items() for k in ("accuracy", "margin")}, step=step)
     model_dir = models.save_model_folder(run.path / "model", model, tokenizer)
     summary = run.update_summary(stage="rm", steps=step, pairs=metrics,
-                                 wall_time_s={"rm": round(time.time() - started, 1)}, model_dir=str(model_dir))
+                                 wall_time_s={"rm": round(time.time() - started, 1)}, model_dir=str(model_dir),
+                                 nonfinite={"mode": cfg.nonfinite, "skipped_updates": skipped})
     run.close()
     return RunResult(run.path, summary, model_dir)

@@ -42,10 +42,22 @@ def check_full_precision(dtype: str, lora: bool) -> None:
                              "--dtype", "use --dtype float32, or train LoRA adapters (--lora_r 8) on the low-precision base")
 
 
-def seed_everything(seed: int) -> None:
+def seed_everything(seed: int, deterministic: bool = False) -> None:
+    """Seed python, numpy and torch; with `deterministic`, also ask torch for deterministic kernels.
+
+    On CPU the same seed already gives bitwise-equal runs (tests/checkpoint). On CUDA,
+    cuBLAS needs CUBLAS_WORKSPACE_CONFIG before its first handle for deterministic matmuls
+    (PyTorch "Reproducibility" notes). warn_only: an op without a deterministic kernel
+    warns instead of killing a long run. Never switched off here: a caller may have set it.
+    """
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
+    if deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False
 
 
 def load_or_build_policy(cfg) -> tuple[torch.nn.Module, object]:

@@ -28,6 +28,7 @@ from rlhflab.checkpoint import Checkpointer, open_run
 from rlhflab.config import SFTConfig
 from rlhflab.errors import UserInputError
 from rlhflab.tracking import RunDir, RunResult
+from rlhflab.trainers.nonfinite import clip_and_step
 from rlhflab.trainers.single_state import pack_single, unpack_single
 from rlhflab.trainers.validation import validate_pass_rate
 from rlhflab.trainers.setup import (
@@ -104,16 +105,10 @@ def train_step(model, optimizer, scheduler, examples: list[data.TokenizedSFT], p
         loss = completion_loss_sum(model, batch) / total_tokens
         loss.backward()
         loss_sum += loss.item()
-    if not math.isfinite(loss_sum):
-        raise FloatingPointError(f"non-finite SFT loss {loss_sum} at lr {scheduler.get_last_lr()[0]:.2e}")
-    clip = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-    if not torch.isfinite(grad_norm):
-        raise FloatingPointError(f"non-finite SFT gradient norm at lr {scheduler.get_last_lr()[0]:.2e}")
-    optimizer.step()
-    scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
-    return {"loss/sft": loss_sum, "grad_norm": grad_norm.item(), "tokens": total_tokens}
+    grad_norm = clip_and_step(optimizer, scheduler, model.parameters(), cfg.max_grad_norm, loss_sum, cfg.nonfinite,
+                              "SFT")  # None: a non-finite update was dropped (nonfinite=skip)
+    return {"loss/sft": loss_sum, "grad_norm": math.nan if grad_norm is None else grad_norm.item(),
+            "tokens": total_tokens, "skipped": grad_norm is None}
 
 
 @torch.no_grad()
@@ -166,7 +161,7 @@ def train(cfg: SFTConfig, run: RunDir | None = None) -> RunResult:
     """Run SFT as configured; returns the run folder and the HF model folder it wrote."""
     started = time.time()
     configure_threads(cfg.threads)
-    seed_everything(cfg.seed)
+    seed_everything(cfg.seed, cfg.deterministic)
     if cfg.max_steps < 1 or cfg.batch_size < 1 or cfg.gradient_accumulation_steps < 1:
         raise UserInputError("max_steps, batch_size and gradient_accumulation_steps must be >= 1", "sft config")
     check_full_precision(cfg.dtype, lora=False)
@@ -186,25 +181,30 @@ def train(cfg: SFTConfig, run: RunDir | None = None) -> RunResult:
 
     lengths = [len(e.prompt_ids) + len(e.completion_ids) for e in sft_data.train]
     batches = batch_stream(lengths, cfg.batch_size, cfg.group_by_length, order_rng)
-    done, stats, metrics = 0, {}, {}
+    done, stats, metrics, skipped = 0, {}, {}, 0
     if resumed is not None:  # weights, optimiser, RNGs back; replay the data order of the steps done
         progress = unpack_single(resumed, model, optimizer, scheduler)
         done, stats, metrics = progress["step"], progress["stats"], progress["metrics"]
+        skipped = progress.get("skipped", 0)
         for _ in range(done):
             next(batches)
     pack = lambda: pack_single(model, optimizer, scheduler,  # noqa: E731
-                               {"step": done, "stats": stats, "metrics": metrics})
+                               {"step": done, "stats": stats, "metrics": metrics, "skipped": skipped})
     bar = tqdm(range(done + 1, cfg.max_steps + 1), desc="sft", unit="step", disable=not cfg.progress)
     with Checkpointer(run.path, cfg.save_every, cfg.keep_last_n) as saver:  # SIGINT / SIGTERM handlers inside
         for step in bar:
             # 3. next batch: shuffled passes over the data (grouped by length if asked)
             batch_ids = next(batches)
-            # 4. one optimiser step with completion-only loss
+            # 4. one optimiser step with completion-only loss (a non-finite one stops the run or is dropped)
             try:
                 stats = train_step(model, optimizer, scheduler, [sft_data.train[i] for i in batch_ids],
                                    tokenizer.pad_token_id, cfg)
             except FloatingPointError as err:
-                raise FloatingPointError(f"SFT step {step}: {err}; no checkpoint or model written after it") from err
+                raise FloatingPointError(f"SFT step {step}: {err} (train examples {batch_ids}); no checkpoint or "
+                                         "model written after it") from err
+            skipped += stats.pop("skipped")
+            if cfg.nonfinite == "skip":
+                stats["nonfinite/skipped_updates"] = skipped
             if step % cfg.log_every == 0 or step == cfg.max_steps:
                 run.log({**stats, "lr": scheduler.get_last_lr()[0], "elapsed_s": time.time() - started}, step=step)
                 bar.set_postfix(loss=f"{stats['loss/sft']:.3f}")
@@ -228,6 +228,7 @@ def train(cfg: SFTConfig, run: RunDir | None = None) -> RunResult:
         parameters=models.count_parameters(model),
         wall_time_s={"sft": round(time.time() - started, 1)},
         model_dir=str(model_dir),
+        nonfinite={"mode": cfg.nonfinite, "skipped_updates": skipped},
     )
     run.close()
     return RunResult(run.path, summary, model_dir)

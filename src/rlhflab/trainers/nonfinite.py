@@ -1,0 +1,36 @@
+"""The last part of every optimiser update, guarded against NaN / inf (README "Checkpoints and resume").
+
+`nonfinite="stop"` (default): a non-finite loss or gradient norm raises FloatingPointError;
+the trainer adds the step and the batch's rows to the message, and no checkpoint or model
+is written after it (the CLI exits 3). `nonfinite="skip"`: the update is dropped (gradients
+zeroed, no AdamW step and no LR-schedule step, so the schedule counts applied updates only,
+as torch.amp's GradScaler does) and the trainer counts it in `nonfinite/skipped_updates`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def clip_and_step(optimizer, scheduler, params, max_grad_norm: float, loss: float, mode: str,
+                  stage: str) -> torch.Tensor | None:
+    """Clip the gradient norm, step AdamW and the LR schedule; the gradient norm, or None when skipped."""
+    lr = scheduler.get_last_lr()[0]
+    problem = f"non-finite {stage} loss {loss}" if not math.isfinite(loss) else None
+    if problem is None:
+        clip = max_grad_norm if max_grad_norm > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, clip)
+        if not torch.isfinite(grad_norm):
+            problem = f"non-finite {stage} gradient norm"
+    if problem is not None:
+        if mode == "stop":
+            raise FloatingPointError(f"{problem} at lr {lr:.2e}")
+        optimizer.zero_grad(set_to_none=True)
+        return None
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm
+
