@@ -34,3 +34,18 @@ def clip_and_step(optimizer, scheduler, params, max_grad_norm: float, loss: floa
     optimizer.zero_grad(set_to_none=True)
     return grad_norm
 
+
+
+def guarded_step(train_step, where: str, rows: str, skipped: int, mode: str) -> tuple[dict, int]:
+    """Run one SFT / RM optimiser step; a stop names `where` and the batch's `rows`, a skip is counted.
+
+    Returns the step's stats (with the running `nonfinite/skipped_updates` in skip mode) and the new count.
+    """
+    try:
+        stats = train_step()
+    except FloatingPointError as err:
+        raise FloatingPointError(f"{where}: {err} ({rows}); no checkpoint or model written after it") from err
+    skipped += stats.pop("skipped")
+    if mode == "skip":
+        stats["nonfinite/skipped_updates"] = skipped
+    return stats, skipped

@@ -27,7 +27,7 @@ from rlhflab.core import bradley_terry_loss, reward_centering_penalty
 from rlhflab.errors import UserInputError
 from rlhflab.rollout import GenerationSettings, generate_answers
 from rlhflab.tracking import RunDir, RunResult
-from rlhflab.trainers.nonfinite import clip_and_step
+from rlhflab.trainers.nonfinite import clip_and_step, guarded_step
 from rlhflab.trainers.single_state import pack_single, unpack_single
 from rlhflab.trainers.setup import (
     configure_threads,
@@ -212,15 +212,10 @@ def train(cfg: RMConfig, run: RunDir | None = None) -> RunResult:
                 if step <= done:
                     continue
                 batch_ids = order[start : start + cfg.batch_size]
-                try:
-                    stats = train_step(model, optimizer, scheduler, [pairs["train"][i] for i in batch_ids],
-                                       tokenizer.pad_token_id, cfg)
-                except FloatingPointError as err:
-                    raise FloatingPointError(f"reward-model step {step}: {err} (train pairs {batch_ids}); no "
-                                             "checkpoint or model written after it") from err
-                skipped += stats.pop("skipped")
-                if cfg.nonfinite == "skip":
-                    stats["nonfinite/skipped_updates"] = skipped
+                batch = [pairs["train"][i] for i in batch_ids]
+                stats, skipped = guarded_step(
+                    lambda: train_step(model, optimizer, scheduler, batch, tokenizer.pad_token_id, cfg),
+                    f"reward-model step {step}", f"train pairs {batch_ids}", skipped, cfg.nonfinite)
                 if step % cfg.log_every == 0 or step == total:
                     run.log({**stats, "lr": scheduler.get_last_lr()[0]}, step=step)
                     bar.set_postfix(loss=f"{stats['loss/rm']:.3f}", acc=f"{stats['rm/accuracy']:.2f}")

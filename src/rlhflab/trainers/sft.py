@@ -28,7 +28,7 @@ from rlhflab.checkpoint import Checkpointer, open_run
 from rlhflab.config import SFTConfig
 from rlhflab.errors import UserInputError
 from rlhflab.tracking import RunDir, RunResult
-from rlhflab.trainers.nonfinite import clip_and_step
+from rlhflab.trainers.nonfinite import clip_and_step, guarded_step
 from rlhflab.trainers.single_state import pack_single, unpack_single
 from rlhflab.trainers.validation import validate_pass_rate
 from rlhflab.trainers.setup import (
@@ -196,15 +196,10 @@ def train(cfg: SFTConfig, run: RunDir | None = None) -> RunResult:
             # 3. next batch: shuffled passes over the data (grouped by length if asked)
             batch_ids = next(batches)
             # 4. one optimiser step with completion-only loss (a non-finite one stops the run or is dropped)
-            try:
-                stats = train_step(model, optimizer, scheduler, [sft_data.train[i] for i in batch_ids],
-                                   tokenizer.pad_token_id, cfg)
-            except FloatingPointError as err:
-                raise FloatingPointError(f"SFT step {step}: {err} (train examples {batch_ids}); no checkpoint or "
-                                         "model written after it") from err
-            skipped += stats.pop("skipped")
-            if cfg.nonfinite == "skip":
-                stats["nonfinite/skipped_updates"] = skipped
+            batch = [sft_data.train[i] for i in batch_ids]
+            stats, skipped = guarded_step(
+                lambda: train_step(model, optimizer, scheduler, batch, tokenizer.pad_token_id, cfg),
+                f"SFT step {step}", f"train examples {batch_ids}", skipped, cfg.nonfinite)
             if step % cfg.log_every == 0 or step == cfg.max_steps:
                 run.log({**stats, "lr": scheduler.get_last_lr()[0], "elapsed_s": time.time() - started}, step=step)
                 bar.set_postfix(loss=f"{stats['loss/sft']:.3f}")
