@@ -15,6 +15,7 @@ score and the real pass rate can part ways.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import torch
 
@@ -39,6 +40,7 @@ from rlhflab.eval.rm_diagnosis import diagnose
 from rlhflab.errors import UserInputError
 from rlhflab.tracking import RunDir, RunResult, default_run_path
 from rlhflab.trainers import ppo, reward, sft
+from rlhflab.trainers.ppo_setup import check_ppo_config
 from rlhflab.trainers.setup import resolve_device
 
 # Parts whose values the demo hands to every stage; other fields keep each stage's own defaults
@@ -121,11 +123,23 @@ def reward_model_stages(cfg: DemoConfig, run: RunDir, sft_dir: str) -> tuple[dic
     return rm_summary, rm_result, ppo_rm_result
 
 
+def check_later_stages(cfg: DemoConfig) -> None:
+    """Build the PPO and RM stage configs and the monitor now, so a bad YAML or field fails before SFT runs."""
+    placeholder = str(Path(cfg.output_dir or ".") / "sft" / "model")
+    for reward_fields in ({}, {"reward": "model", "reward_model": placeholder, "normalize_reward": True}):
+        ppo_cfg = ppo_stage_config(cfg, placeholder, placeholder, **reward_fields)
+        check_ppo_config(ppo_cfg)
+        RunMonitor.from_config(ppo_cfg)
+    if cfg.run_rm:
+        rm_stage_config(cfg, placeholder, placeholder)
+
+
 def run_demo(cfg: DemoConfig) -> RunResult:
     started = time.time()
     if cfg.resume:
         raise UserInputError("the demo cannot resume as a whole", "--resume",
                              "resume the stage that stopped: rlhflab sft|rm|ppo --resume latest --output_dir RUN/<stage>")
+    check_later_stages(cfg)
     run = RunDir(cfg.output_dir or default_run_path("demo"), overwrite=cfg.overwrite, report_to=cfg.report_to)
     write_config(cfg, run.path / "config.yaml")
     run.write_versions(cfg.seed)

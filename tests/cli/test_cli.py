@@ -199,3 +199,16 @@ def test_rm_diagnose_command(demo_run, tmp_path, capsys):
     summary = json.loads((tmp_path / "diag" / "summary.json").read_text())
     assert summary["rm_diagnosis"]["answers"] == 22
     assert (tmp_path / "diag" / "worst_cases.md").is_file()
+
+
+def test_demo_refuses_a_bad_later_stage_config_before_training(tmp_path, capsys):
+    bad = tmp_path / "ppo.yaml"
+    bad.write_text("stop_on_alarms: reward_hackin\n")
+    out = tmp_path / "run"
+    assert main(["demo", "--out", str(out), *TINY_DEMO, "--ppo_config", str(bad)]) == 2
+    assert "reward_hackin" in capsys.readouterr().err
+    assert not (out / "sft").exists()  # nothing trained
+    rm_bad = tmp_path / "rm.yaml"
+    rm_bad.write_text("num_epoch: 2\n")
+    assert main(["demo", "--out", str(tmp_path / "run2"), *TINY_DEMO, "--rm_config", str(rm_bad)]) == 2
+    assert "did you mean 'num_epochs'" in capsys.readouterr().err
