@@ -23,9 +23,8 @@ import logging  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from rlhflab.checkpoint.signals import Interrupted  # noqa: E402
 from rlhflab.config import STAGES, parse_config  # noqa: E402
-from rlhflab.errors import UserInputError  # noqa: E402
+from rlhflab.errors import Interrupted, UserInputError  # noqa: E402 (torch-free: `--help` stays fast)
 
 USAGE = """usage: rlhflab <stage> [--config FILE.yaml] [--field value ...]
 

@@ -166,5 +166,83 @@ def test_overwriting_a_run_folder_drops_the_old_runs_checkpoints(tmp_path):
     (tmp_path / "run" / "config.yaml").write_text("seed: 1\n")
     with pytest.raises(UserInputError, match="already holds a run"):
         open_run(RMConfig(output_dir=str(tmp_path / "run")), "rm")
+    (tmp_path / "run" / "summary.json").write_text('{"resumes": [{"step": 9}], "updates": 9}')
+    (tmp_path / "run" / "report.html").write_text("<html>the old run</html>")
     run, resumed = open_run(RMConfig(output_dir=str(tmp_path / "run"), overwrite=True), "rm")
     assert resumed is None and not (run.path / "checkpoints").exists()  # `--resume latest` can never pick them
+    # nor does the new run's summary inherit the old one's fields (update_summary merges into the file)
+    assert not (run.path / "summary.json").exists() and not (run.path / "report.html").exists()
+
+
+@pytest.mark.parametrize("text", ["seed: [1\n", "- just\n- a list\n"])
+def test_an_unreadable_config_yaml_is_a_user_error_naming_the_file(tmp_path, text):
+    from rlhflab.checkpoint import open_run
+    from rlhflab.config import RMConfig
+
+    save_checkpoint(tmp_path / "run" / "checkpoints", 3, weights(), {"histories": {}})
+    (tmp_path / "run" / "config.yaml").write_text(text)
+    with pytest.raises(UserInputError, match="config.yaml"):
+        open_run(RMConfig(output_dir=str(tmp_path / "run"), resume="latest"), "rm")
+
+
+@pytest.mark.parametrize("marker", ['{"step": 3, "files": 7}', '{"step": 3, "files": {"model.safetensors": 1}}',
+                                    '["step", 3]'])
+def test_a_malformed_marker_is_a_user_error(tmp_path, marker):
+    path = save_checkpoint(tmp_path, 3, weights(), {})
+    (path / MARKER).write_text(marker)
+    with pytest.raises(UserInputError, match="marker"):
+        load_checkpoint(path)
+
+
+def test_finishing_at_the_step_resumed_from_does_not_rewrite_its_checkpoint(tmp_path):
+    from rlhflab.checkpoint import Checkpointer
+
+    path = save_checkpoint(tmp_path / "checkpoints", 5, weights(), {"histories": {}}, keep_last_n=1)
+    before = (path / MARKER).stat().st_mtime_ns, (path / "model.safetensors").stat().st_ino
+
+    def contents():
+        raise AssertionError("step 5 is on disk already: nothing to pack")
+
+    with Checkpointer(tmp_path, save_every=0, keep_last_n=1, saved_step=5) as saver:
+        saver.finish(5, contents)
+    assert ((path / MARKER).stat().st_mtime_ns, (path / "model.safetensors").stat().st_ino) == before
+
+
+def _adamw(n_params: int, lr: float, **kw):
+    params = [torch.nn.Parameter(torch.ones(2)) for _ in range(n_params)]
+    opt = torch.optim.AdamW(params, lr=lr, **kw)
+    return params, opt, get_scheduler("linear", opt, num_warmup_steps=2, num_training_steps=10)
+
+
+def test_load_optimiser_keeps_the_moments_and_step_but_takes_the_configs_hyperparameters():
+    from rlhflab.checkpoint import load_optimiser
+
+    params, opt, sched = _adamw(2, 1e-3)
+    for _ in range(4):
+        sum(p.sum() for p in params).backward()
+        opt.step()
+        sched.step()
+    state = {"optimizer": opt.state_dict(), "scheduler": sched.state_dict()}
+    same_params, same_opt, same_sched = _adamw(2, 1e-3)
+    load_optimiser(same_opt, same_sched, state, "ckpt")  # unchanged config: exactly the saved lr
+    assert same_opt.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
+    assert same_sched.get_last_lr() == sched.get_last_lr()
+    _, new_opt, new_sched = _adamw(2, 0.5, betas=(0.5, 0.6), eps=1e-3, weight_decay=0.25)
+    load_optimiser(new_opt, new_sched, state, "ckpt")
+    group = new_opt.param_groups[0]
+    assert (group["betas"], group["eps"], group["weight_decay"], group["initial_lr"]) == ((0.5, 0.6), 1e-3, 0.25, 0.5)
+    assert new_sched.base_lrs == [0.5] and new_sched.last_epoch == 4
+    assert group["lr"] == pytest.approx(0.5 * 6 / 8) and new_sched.get_last_lr() == [group["lr"]]  # step 4 of 10
+    assert new_opt.state_dict()["state"][0]["step"] == 4  # the moments came back
+    new_sched.step()
+    assert group["lr"] == pytest.approx(0.5 * 5 / 8)
+
+
+def test_an_optimiser_state_that_does_not_fit_is_a_user_error_naming_the_checkpoint():
+    from rlhflab.checkpoint import load_optimiser
+
+    _, opt, sched = _adamw(2, 1e-3)
+    _, other, other_sched = _adamw(3, 1e-3)
+    state = {"optimizer": opt.state_dict(), "scheduler": sched.state_dict()}
+    with pytest.raises(UserInputError, match="ckpt/state.safetensors: .*optimiser"):
+        load_optimiser(other, other_sched, state, "ckpt/state.safetensors")

@@ -47,17 +47,38 @@ def test_sigkill_mid_run_then_resume_equals_the_uninterrupted_run(stage, kill_at
 
 def test_resume_with_a_changed_config_is_refused_unless_allowed(policy_dir, tmp_path, capsys):
     out = tmp_path / "run"
-    train(rm_args(policy_dir, out))
+    args = [*rm_args(policy_dir, out), "--keep_last_n", "0"]  # keep every checkpoint (an ignored key on resume)
+    train(args)
     before = (out / "metrics.jsonl").read_text()
-    assert main([*rm_args(policy_dir, out), "--resume", "latest", "--learning_rate", "0.1"]) == 2
+    old_lr = {r["step"]: r["lr"] for r in metrics(out) if "lr" in r}
+    assert main([*args, "--resume", "latest", "--learning_rate", "0.1"]) == 2
     err = capsys.readouterr().err
     assert "learning_rate: 0.0003 -> 0.1" in err and "--allow_config_change" in err
     assert (out / "metrics.jsonl").read_text() == before  # refused before touching anything
-    step = complete_checkpoints(out / "checkpoints")[0]
-    train([*rm_args(policy_dir, out), "--resume", str(step), "--learning_rate", "0.1", "--allow_config_change", "true"])
+    step = out / "checkpoints" / "step-9"  # past the 5 warmup steps, 13 steps of linear decay to go
+    train([*args, "--resume", str(step), "--learning_rate", "0.1", "--allow_config_change", "true"])
     summary = json.loads((out / "summary.json").read_text())
     assert summary["resumes"][-1]["config_changes"] == {"learning_rate": {"was": 0.0003, "now": 0.1}}
     assert yaml.safe_load((out / "config.yaml").read_text())["learning_rate"] == 0.1
+    # the optimiser really trains with the new peak lr, on the same schedule (not the checkpoint's 3e-4)
+    new_lr = {r["step"]: r["lr"] for r in metrics(out) if "lr" in r}
+    assert [new_lr[s] for s in range(1, 10)] == [old_lr[s] for s in range(1, 10)]
+    assert [new_lr[s] for s in range(10, 23)] == pytest.approx([old_lr[s] / 0.0003 * 0.1 for s in range(10, 23)])
+    assert new_lr[10] > 0.05
+
+
+def test_a_resume_that_fails_to_unpack_leaves_the_run_folder_untouched(tmp_path, capsys):
+    out = tmp_path / "run"
+    train(sft_args(out))
+    before = {p.relative_to(out): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+    earlier = complete_checkpoints(out / "checkpoints")[0]  # resuming it would cut metrics.jsonl, drop step-16
+    code = main([*sft_args(out), "--resume", str(earlier), "--hidden_size", "48", "--allow_config_change", "true"])
+    assert code == 2
+    assert f"{earlier / 'model.safetensors'}: checkpoint weight" in capsys.readouterr().err
+    after = {p.relative_to(out): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+    assert after.keys() == before.keys()
+    for rel in before:
+        assert after[rel] == before[rel], f"{rel} changed by a resume that failed"
 
 
 def test_a_checkpoint_without_marker_is_skipped_and_cleaned_by_the_next_save(policy_dir, tmp_path):

@@ -76,6 +76,16 @@ def test_adaptive_controller_hand_worked_updates():
     assert math.isclose(ctl.value, 0.201024 * 0.9995 * 0.98, rel_tol=1e-12)
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_adaptive_controller_ignores_a_non_finite_kl(bad):
+    # an update skipped for non-finite advantages (--nonfinite skip) can still report a NaN KL
+    ctl = AdaptiveKLController(init_kl_coef=0.2, target=6.0, horizon=10000)
+    ctl.update(current_kl=bad, n_steps=256)
+    assert ctl.value == 0.2
+    ctl.update(current_kl=8.0, n_steps=256)  # and it keeps steering afterwards
+    assert math.isclose(ctl.value, 0.201024, rel_tol=1e-12)
+
+
 def test_adaptive_controller_state_round_trips_through_json_and_resumes_identically():
     a = AdaptiveKLController(0.1, target=3.0, horizon=500)
     a.update(4.0, 64)

@@ -13,10 +13,11 @@ from rlhflab.checkpoint.folder import (
 )
 from rlhflab.checkpoint.resume import Checkpointer, Resumed, config_changes, open_run
 from rlhflab.checkpoint.signals import ABORTED_EXIT_CODE, EXIT_CODES, Interrupted, StopSignals
-from rlhflab.checkpoint.state import load_trainable_weights, restore_rng, rng_state, trainable_weights
+from rlhflab.checkpoint.state import load_optimiser, load_trainable_weights, restore_rng, rng_state, trainable_weights
 
 __all__ = [
     "ABORTED_EXIT_CODE", "Checkpointer", "EXIT_CODES", "Interrupted", "MARKER", "Resumed", "StopSignals",
-    "complete_checkpoints", "config_changes", "latest_checkpoint", "load_checkpoint", "load_trainable_weights",
+    "complete_checkpoints", "config_changes", "latest_checkpoint", "load_checkpoint", "load_optimiser",
+    "load_trainable_weights",
     "open_run", "restore_rng", "rng_state", "save_checkpoint", "trainable_weights", "verify",
 ]

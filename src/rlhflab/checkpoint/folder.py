@@ -156,8 +156,13 @@ def verify(path: Path) -> dict:
     try:
         marker = json.loads(marker_path.read_text())
         files = marker["files"]
+        int(marker["step"])
+        if not isinstance(files, dict) or not all(
+                isinstance(e, dict) and isinstance(e.get("bytes"), int) and isinstance(e.get("sha256"), str)
+                for e in files.values()):
+            raise TypeError('"files" is not a map of {name: {"bytes", "sha256"}}')
     except (ValueError, KeyError, TypeError) as err:
-        raise UserInputError(f"unreadable checkpoint marker ({err})", str(marker_path)) from err
+        raise UserInputError(f"unreadable checkpoint marker ({err})", str(marker_path), _earlier_hint(path)) from err
     for name, expected in files.items():
         file = path / name
         size = file.stat().st_size if file.is_file() else None

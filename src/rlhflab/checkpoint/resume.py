@@ -4,7 +4,10 @@ Resuming (`--resume latest` or `--resume RUN/checkpoints/step-N`) reuses the run
 without wiping it: its config must match the saved config.yaml (or `--allow_config_change`,
 recorded in summary.json), metrics.jsonl / samples.jsonl are cut back to their length at
 the checkpoint so the history reads as if the run had never stopped, and complete
-checkpoints newer than the one resumed from (an abandoned future) are deleted.
+checkpoints newer than the one resumed from (an abandoned future) are deleted. Those
+changes to the folder wait for `Resumed.commit()`, which a trainer calls once the
+checkpoint is unpacked into its model and optimiser: a resume that fails there (weights
+that do not fit the model) leaves the run folder exactly as it was.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import json
 import logging
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -42,6 +45,12 @@ class Resumed:
     weights: dict[str, torch.Tensor]
     state: dict  # what the trainer packed, plus "histories"
     config_changes: dict[str, dict]
+    on_commit: Callable[[], None] = field(default=lambda: None, repr=False, compare=False)
+
+    def commit(self) -> None:
+        """After the trainer unpacked the checkpoint: cut the histories back, drop newer checkpoints,
+        record the resume (and any config change) in config.yaml / summary.json."""
+        self.on_commit()
 
 
 def resume_target(cfg) -> tuple[Path, Path]:
@@ -71,7 +80,14 @@ def config_changes(cfg, saved: Path) -> dict[str, dict]:
     """{key: {"was", "now"}} for every field that differs from the run's config.yaml (IGNORED_KEYS aside)."""
     if not saved.is_file():
         raise UserInputError("the run folder has no config.yaml", str(saved.parent), "is this a run folder?")
-    was = yaml.safe_load(saved.read_text()) or {}
+    try:
+        was = yaml.safe_load(saved.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise UserInputError(f"unreadable config.yaml ({err})", str(saved),
+                             "restore the run's config.yaml, or start the run again with --overwrite") from err
+    if not isinstance(was, dict):
+        raise UserInputError(f"config.yaml holds a {type(was).__name__}, not a mapping of settings", str(saved),
+                             "restore the run's config.yaml, or start the run again with --overwrite")
     now = config_to_dict(cfg)
     keys = (set(was) | set(now)) - set(IGNORED_KEYS) - {"output_dir"}
     return {k: {"was": was.get(k), "now": now.get(k)} for k in sorted(keys) if was.get(k) != now.get(k)}
@@ -87,23 +103,36 @@ def history_position(run_path: Path) -> dict[str, dict]:
     return out
 
 
-def restore_histories(run_path: Path, position: dict[str, dict]) -> None:
+def check_histories(run_path: Path, position: dict[str, dict]) -> None:
+    """Refuse (touching nothing) when a history file is not the one the checkpoint saw the start of."""
     for name, at in position.items():
         file = run_path / name
-        size = file.stat().st_size if file.exists() else 0
-        if size < at["bytes"]:
-            raise UserInputError(f"{name} is shorter ({size} bytes) than at the checkpoint ({at['bytes']})",
+        text = file.read_bytes() if file.exists() else b""
+        if len(text) < at["bytes"]:
+            raise UserInputError(f"{name} is shorter ({len(text)} bytes) than at the checkpoint ({at['bytes']})",
                                  str(file), "the run folder was changed; resume from a copy that was not")
-        os.truncate(file, at["bytes"])
-        if file.read_bytes().count(b"\n") != at["lines"]:
+        if text[: at["bytes"]].count(b"\n") != at["lines"]:
             raise UserInputError(f"{name} does not match the checkpoint's history", str(file))
 
 
+def restore_histories(run_path: Path, position: dict[str, dict]) -> None:
+    check_histories(run_path, position)
+    for name, at in position.items():
+        if (run_path / name).exists():
+            os.truncate(run_path / name, at["bytes"])
+
+
 def open_run(cfg, stage: str) -> tuple[RunDir, Resumed | None]:
-    """The run folder, fresh (config.yaml and versions.json written) or resumed from `cfg.resume`."""
+    """The run folder, fresh (config.yaml and versions.json written) or resumed from `cfg.resume`.
+
+    A resumed run's folder is only checked here; `Resumed.commit()` changes it (module doc).
+    """
     if not cfg.resume:
         run = RunDir(cfg.output_dir or default_run_path(stage), overwrite=cfg.overwrite, report_to=cfg.report_to)
-        shutil.rmtree(run.path / "checkpoints", ignore_errors=True)  # a replaced run's: never resume into them
+        # a replaced run's leftovers: never resume into its checkpoints, never merge into its summary / report
+        shutil.rmtree(run.path / "checkpoints", ignore_errors=True)
+        for name in ("summary.json", "report.html"):
+            (run.path / name).unlink(missing_ok=True)
         write_config(cfg, run.path / "config.yaml")
         run.write_versions(cfg.seed)
         return run, None
@@ -114,20 +143,24 @@ def open_run(cfg, stage: str) -> tuple[RunDir, Resumed | None]:
         raise UserInputError(f"the config differs from the run's config.yaml ({listed})", f"--resume {cfg.resume}",
                              "resume with the run's own settings, or pass --allow_config_change to proceed")
     step, weights, state = load_checkpoint(checkpoint)
-    restore_histories(run_path, state["histories"])
-    for newer in [p for p in complete_checkpoints(checkpoint.parent) if step_of(p) > step]:
-        log.warning("removing %s: resuming from step %d abandons it", newer, step)
-        remove_checkpoint(newer)
+    check_histories(run_path, state["histories"])
     run = RunDir(run_path, resume=True, report_to=cfg.report_to)
-    if changes:
-        write_config(cfg, run_path / "config.yaml")
-        log.warning("resuming with config changes: %s", changes)
-    run.write_versions(cfg.seed)
-    summary = json.loads((run_path / "summary.json").read_text()) if (run_path / "summary.json").exists() else {}
-    run.update_summary(resumes=[*summary.get("resumes", []),
-                                {"step": step, "checkpoint": str(checkpoint), "config_changes": changes}])
-    log.info("resuming %s from %s (step %d)", stage, checkpoint, step)
-    return run, Resumed(checkpoint, step, weights, state, changes)
+
+    def commit() -> None:
+        restore_histories(run_path, state["histories"])
+        for newer in [p for p in complete_checkpoints(checkpoint.parent) if step_of(p) > step]:
+            log.warning("removing %s: resuming from step %d abandons it", newer, step)
+            remove_checkpoint(newer)
+        if changes:
+            write_config(cfg, run_path / "config.yaml")
+            log.warning("resuming with config changes: %s", changes)
+        run.write_versions(cfg.seed)
+        summary = json.loads((run_path / "summary.json").read_text()) if (run_path / "summary.json").exists() else {}
+        run.update_summary(resumes=[*summary.get("resumes", []),
+                                    {"step": step, "checkpoint": str(checkpoint), "config_changes": changes}])
+        log.info("resuming %s from %s (step %d)", stage, checkpoint, step)
+
+    return run, Resumed(checkpoint, step, weights, state, changes, commit)
 
 
 Contents = Callable[[], tuple[dict[str, torch.Tensor], dict]]
@@ -140,13 +173,14 @@ class Checkpointer:
     `contents()` packs (weights, state) only when a checkpoint is actually written.
     """
 
-    def __init__(self, run_path: Path, save_every: int, keep_last_n: int):
+    def __init__(self, run_path: Path, save_every: int, keep_last_n: int, saved_step: int | None = None):
+        """`saved_step`: the step of the checkpoint a resumed run started from (already on disk)."""
         self.run_path = run_path
         self.root = run_path / "checkpoints"
         self.save_every = save_every
         self.keep_last_n = keep_last_n
         self.signals = StopSignals()
-        self.saved_step: int | None = None
+        self.saved_step = saved_step
 
     def __enter__(self) -> Checkpointer:
         self.signals.__enter__()

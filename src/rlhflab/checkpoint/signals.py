@@ -14,23 +14,12 @@ import os
 import signal
 import sys
 import threading
-from pathlib import Path
+
+from rlhflab.errors import ABORTED_EXIT_CODE, EXIT_CODES, Interrupted  # torch-free: the CLI imports them there
 
 log = logging.getLogger("rlhflab")
 
-EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
-ABORTED_EXIT_CODE = 4
-
-
-class Interrupted(Exception):
-    """A stop signal arrived; the step in progress finished and `checkpoint` holds the run's state."""
-
-    def __init__(self, signum: int, step: int, checkpoint: Path):
-        self.signum, self.step, self.checkpoint = signum, step, checkpoint
-        self.exit_code = EXIT_CODES.get(signum, 128 + signum)
-        run = checkpoint.parent.parent
-        super().__init__(f"{signal.Signals(signum).name} after step {step}: checkpoint {checkpoint}; "
-                         f"continue with --resume latest --output_dir {run}")
+__all__ = ["ABORTED_EXIT_CODE", "EXIT_CODES", "Interrupted", "StopSignals"]
 
 
 class StopSignals:

@@ -123,3 +123,32 @@ def load_trainable_weights(modules: dict[str, torch.nn.Module], weights: dict[st
 
 def all_finite(weights: dict[str, torch.Tensor]) -> bool:
     return all(bool(torch.isfinite(t).all()) for t in weights.values() if t.is_floating_point())
+
+
+# --- optimiser and LR schedule -----------------------------------------------------------
+
+
+def load_optimiser(optimizer: torch.optim.Optimizer, scheduler, state: dict, where: str) -> None:
+    """Moments and step counts from a checkpoint; hyperparameters from the config the run resumes with.
+
+    `optimizer` and `scheduler` (a LambdaLR, as transformers' schedules are) are freshly built
+    from the config. `load_state_dict` would bring back the checkpoint's lr / betas / eps /
+    weight_decay and the schedule's peak lr, so a resume with `--allow_config_change` would
+    silently keep training with the old values. They are put back from the fresh build, and the
+    current lr is recomputed as peak · schedule(step) with the fresh schedule (warmup, decay,
+    length), exactly as `scheduler.step()` computes it: an unchanged config resumes bit for bit.
+    """
+    hyper = [{k: v for k, v in g.items() if k not in ("params", "lr")} for g in optimizer.param_groups]
+    base_lrs = list(scheduler.base_lrs)
+    try:
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+    except (ValueError, KeyError, RuntimeError, TypeError) as err:
+        raise UserInputError(f"the checkpoint's optimiser / LR-schedule state does not fit this run ({err})", where,
+                             "resume with the model, LoRA and value settings of the run") from err
+    scheduler.base_lrs = base_lrs
+    for group, fresh, base_lr, lmbda in zip(optimizer.param_groups, hyper, base_lrs, scheduler.lr_lambdas,
+                                            strict=True):
+        group.update(fresh)
+        group["lr"] = base_lr * lmbda(scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]

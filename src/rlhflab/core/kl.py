@@ -10,6 +10,7 @@ policy == reference, KL == 0 exactly).
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 import torch
@@ -83,6 +84,10 @@ class AdaptiveKLController:
         self.horizon = float(horizon)
 
     def update(self, current_kl: float, n_steps: int) -> None:
+        """A non-finite `current_kl` (a batch dropped by `--nonfinite skip`) leaves β as it is:
+        fed through the clip it would make β NaN for the rest of the run."""
+        if not math.isfinite(current_kl):
+            return
         error = min(max(float(current_kl) / self.target - 1.0, -0.2), 0.2)
         self.value *= 1.0 + error * n_steps / self.horizon
 

@@ -218,12 +218,14 @@ def train(cfg: PPOConfig, run: RunDir | None = None, reward_fn=None, monitor: Mo
         progress = PPOProgress(first=first, last_eval=first)
     else:
         progress = unpack_ppo(resumed, roles, optimizer, scheduler, kl_ctl, generators, watch)
+        resumed.commit()  # only now cut the histories back, record the resume
     first, last_eval, last, order = progress.first, progress.last_eval, progress.last, progress.order
     done, episode, finished, skipped = progress.update, progress.episode, progress.finished, progress.skipped
     pack = lambda: pack_ppo(roles, optimizer, scheduler, kl_ctl, generators, PPOProgress(  # noqa: E731
         done, episode, order, first, last_eval, last, finished, skipped), watch)  # reads the loop's variables
     start = num_updates if finished else done
-    with Checkpointer(run.path, cfg.save_every, cfg.keep_last_n) as saver:  # SIGINT / SIGTERM handlers inside
+    resumed_at = resumed.step if resumed is not None else None  # that checkpoint is on disk already
+    with Checkpointer(run.path, cfg.save_every, cfg.keep_last_n, resumed_at) as saver:  # SIGINT / SIGTERM handlers
         bar = tqdm(range(start + 1, num_updates + 1), desc="ppo", unit="update", disable=not cfg.progress)
         for update in bar:
             t0 = time.time()
@@ -264,7 +266,7 @@ def train(cfg: PPOConfig, run: RunDir | None = None, reward_fn=None, monitor: Mo
             t3 = time.time()
             # 7. KL coefficient, metrics, periodic evaluation
             kl_coef_used = kl_ctl.value
-            kl_ctl.update((kl * mask).sum(dim=1)[valid].mean().item(), cfg.batch_size)
+            kl_ctl.update((kl * mask).sum(dim=1)[valid].mean().item(), cfg.batch_size)  # a NaN KL leaves β as is
             episode += cfg.batch_size
             generated_tokens = int(rollout.response_mask.sum().item())
             last = {

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from rlhflab.checkpoint import Resumed, load_trainable_weights, restore_rng, rng_state, trainable_weights
+from rlhflab.checkpoint.state import load_optimiser
 from rlhflab.rollout.roles import PolicyRoles
 from rlhflab.trainers.ppo_monitor import RunWatch
 
@@ -51,8 +52,7 @@ def unpack_ppo(resumed: Resumed, roles: PolicyRoles, optimizer, scheduler, kl_ct
     """Put a checkpoint back into freshly built roles / optimiser / ...; returns the loop's position."""
     state = resumed.state
     load_trainable_weights(role_modules(roles), resumed.weights, str(resumed.checkpoint / "model.safetensors"))
-    optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
+    load_optimiser(optimizer, scheduler, state, str(resumed.checkpoint / "state.safetensors"))  # config's lr etc.
     kl_ctl.load_state_dict(state["kl_controller"])
     watch.load_state_dict(state["watch"])
     restore_rng(state["rng"], generators)

@@ -197,13 +197,15 @@ def train(cfg: RMConfig, run: RunDir | None = None) -> RunResult:
     done, skipped = 0, 0  # steps already trained: all but the data order come back from a checkpoint
     if resumed is not None:
         progress = unpack_single(resumed, model, optimizer, scheduler)
+        resumed.commit()  # only now cut the histories back, record the resume
         done, skipped = progress["step"], progress.get("skipped", 0)
     pack = lambda: pack_single(model, optimizer, scheduler, {"step": done, "skipped": skipped})  # noqa: E731
 
     # 3. epochs over shuffled pairs (a resumed run replays the shuffles and skips the steps done)
     step = 0
     bar = tqdm(total=total, initial=done, desc="rm", unit="step", disable=not cfg.progress)
-    with Checkpointer(run.path, cfg.save_every, cfg.keep_last_n) as saver:  # SIGINT / SIGTERM handlers inside
+    resumed_at = resumed.step if resumed is not None else None  # that checkpoint is on disk already
+    with Checkpointer(run.path, cfg.save_every, cfg.keep_last_n, resumed_at) as saver:  # SIGINT / SIGTERM handlers
         for _ in range(cfg.num_epochs):
             order = list(range(len(pairs["train"])))
             rng.shuffle(order)

@@ -184,6 +184,7 @@ def train(cfg: SFTConfig, run: RunDir | None = None) -> RunResult:
     done, stats, metrics, skipped = 0, {}, {}, 0
     if resumed is not None:  # weights, optimiser, RNGs back; replay the data order of the steps done
         progress = unpack_single(resumed, model, optimizer, scheduler)
+        resumed.commit()  # only now cut the histories back, record the resume
         done, stats, metrics = progress["step"], progress["stats"], progress["metrics"]
         skipped = progress.get("skipped", 0)
         for _ in range(done):
@@ -191,7 +192,8 @@ def train(cfg: SFTConfig, run: RunDir | None = None) -> RunResult:
     pack = lambda: pack_single(model, optimizer, scheduler,  # noqa: E731
                                {"step": done, "stats": stats, "metrics": metrics, "skipped": skipped})
     bar = tqdm(range(done + 1, cfg.max_steps + 1), desc="sft", unit="step", disable=not cfg.progress)
-    with Checkpointer(run.path, cfg.save_every, cfg.keep_last_n) as saver:  # SIGINT / SIGTERM handlers inside
+    resumed_at = resumed.step if resumed is not None else None  # that checkpoint is on disk already
+    with Checkpointer(run.path, cfg.save_every, cfg.keep_last_n, resumed_at) as saver:  # SIGINT / SIGTERM handlers
         for step in bar:
             # 3. next batch: shuffled passes over the data (grouped by length if asked)
             batch_ids = next(batches)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from rlhflab.checkpoint import Resumed, load_trainable_weights, restore_rng, rng_state, trainable_weights
+from rlhflab.checkpoint.state import load_optimiser
 
 
 def pack_single(model: torch.nn.Module, optimizer, scheduler, progress: dict) -> tuple[dict[str, torch.Tensor], dict]:
@@ -19,9 +20,10 @@ def pack_single(model: torch.nn.Module, optimizer, scheduler, progress: dict) ->
 
 
 def unpack_single(resumed: Resumed, model: torch.nn.Module, optimizer, scheduler) -> dict:
-    """Put a checkpoint back into a freshly built model / optimiser / schedule; returns `progress`."""
+    """Put a checkpoint back into a freshly built model / optimiser / schedule; returns `progress`.
+
+    The optimiser's hyperparameters stay those of the config (see `load_optimiser`)."""
     load_trainable_weights({"model": model}, resumed.weights, str(resumed.checkpoint / "model.safetensors"))
-    optimizer.load_state_dict(resumed.state["optimizer"])
-    scheduler.load_state_dict(resumed.state["scheduler"])
+    load_optimiser(optimizer, scheduler, resumed.state, str(resumed.checkpoint / "state.safetensors"))
     restore_rng(resumed.state["rng"])
     return resumed.state["progress"]
