@@ -1,0 +1,310 @@
+"""rlhflab PPO vs TRL 1.12 PPO on identical work, each run in its own process (not run by CI).
+
+Setup, once (TRL's PPOTrainer exists only up to trl 1.12.0; it gets its own virtualenv):
+
+    python -m venv benchmarks/.venv-trl          # the same python as .venv
+    benchmarks/.venv-trl/bin/pip install torch==2.13.0     # the CPU wheel first; a bare `torch` pulls CUDA
+    benchmarks/.venv-trl/bin/pip install trl==1.12.0 peft requests
+
+Run (from the repository root, in the project's .venv):
+
+    OMP_WAIT_POLICY=PASSIVE .venv/bin/python benchmarks/ppo_vs_trl.py                 # everything
+    OMP_WAIT_POLICY=PASSIVE .venv/bin/python benchmarks/ppo_vs_trl.py --parts ppo --threads 1 --repeats 3
+
+Parts: `ppo` (throughput + peak RSS + held-out pass rate after the same episodes, median of
+repeats, runs alternating rlhflab / TRL / TRL without gc.collect), `rollout` (rlhflab's
+generation vs `model.generate`), `mfu` (fp32 matmul peak and model-FLOPs utilisation per
+phase for the demo model and a ~25M-parameter one). See benchmarks/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch is imported (FACTS.md)
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import platform  # noqa: E402
+import resource  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from bench_assets import CACHE, Assets, child_env, prepare  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+TRL_PYTHON = HERE / ".venv-trl" / "bin" / "python"
+
+# Identical on both sides. TRL's PPO loop never clips gradients, so rlhflab's clipping is off.
+SHARED = dict(batch_size=8, num_mini_batches=1, response_length=32, total_episodes=256, temperature=0.7,
+              learning_rate=1e-4, adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-5, kl_coef=0.05, cliprange=0.2,
+              cliprange_value=0.2, vf_coef=0.1, gamma=1.0, lam=0.95, missing_eos_penalty=1.0, lora_alpha=16)
+CONFIGS = {
+    "full 1 epoch": dict(num_ppo_epochs=1, lora_r=0),
+    "full 4 epochs": dict(num_ppo_epochs=4, lora_r=0),
+    "LoRA r8 1 epoch": dict(num_ppo_epochs=1, lora_r=8),
+}
+VARIANTS = ("rlhflab", "trl", "trl_no_gc")
+
+
+def rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+# --- the rlhflab child ----------------------------------------------------------------------
+
+
+def rlhflab_child(spec: dict) -> None:
+    """One `rlhflab ppo` run through the Python API; prints one JSON line."""
+    import torch
+
+    from rlhflab.config import PPOConfig
+    from rlhflab.trainers import ppo
+
+    s = spec["settings"]
+    before = rss_mib()
+    keys = ("batch_size", "num_mini_batches", "response_length", "total_episodes", "temperature", "learning_rate",
+            "adam_beta1", "adam_beta2", "adam_eps", "kl_coef", "cliprange", "cliprange_value", "vf_coef", "gamma",
+            "lam", "missing_eos_penalty", "lora_alpha", "num_ppo_epochs", "lora_r")
+    cfg = PPOConfig(model=spec["sft"], reward="model", reward_model=spec["reward_model"], normalize_reward=False,
+                    value_mode=spec.get("value_mode", "shared"), max_grad_norm=0.0, lr_schedule="linear",
+                    warmup_steps=0, weight_decay=0.0, device="cpu", threads=spec["threads"], seed=spec["seed"],
+                    eval_every=0, eval_prompts=8, sample_prompts=0, console_samples=0, save_every=0,
+                    progress=False, output_dir=spec["out"], overwrite=True, **{k: s[k] for k in keys},
+                    **({"value_model": spec["value_model"]} if spec.get("value_mode") == "separate" else {}))
+    started = time.time()
+    result = ppo.train(cfg)
+    seconds = time.time() - started
+    rows = [json.loads(line) for line in (Path(result.run_dir) / "metrics.jsonl").read_text().splitlines()]
+    updates = [r for r in rows if "time/generation" in r]
+    phase = {k: sum(r[f"time/{k}"] for r in updates) for k in ("generation", "scoring", "training")}
+    print(json.dumps({"library": "rlhflab", "seconds": seconds, "loop_seconds": sum(phase.values()),
+                      "phase_seconds": phase, "episodes": result.summary["episodes"],
+                      "response_tokens": sum(r["response/length_mean"] * s["batch_size"] for r in updates),
+                      "peak_rss_mib": rss_mib(), "rss_before_models_mib": before,
+                      "threads": torch.get_num_threads(), "model_dir": str(result.model_dir),
+                      "loadavg_1min_after": os.getloadavg()[0]}))
+
+
+# --- running children -----------------------------------------------------------------------
+
+
+def run_child(variant: str, assets: Assets, config: str, threads: int, seed: int, out: Path, **overrides) -> dict:
+    """One run of one variant in a fresh process; returns its JSON line."""
+    spec = {"sft": str(assets.sft), "reward_model": str(assets.reward_model), "value_model": str(assets.value_model),
+            "prompts": str(assets.prompts), "settings": {**SHARED, **CONFIGS[config], **overrides}, "threads": threads,
+            "seed": seed, "out": str(out), "no_gc": variant == "trl_no_gc",
+            "save_model": variant != "trl_no_gc"}  # gc changes no number: one TRL model per repeat is evaluated
+    out.mkdir(parents=True, exist_ok=True)
+    spec_file = out / "spec.json"
+    spec_file.write_text(json.dumps(spec))
+    if variant == "rlhflab":
+        cmd = [sys.executable, __file__, "--child", str(spec_file)]
+    else:
+        cmd = [str(TRL_PYTHON), str(HERE / "trl_child.py"), "--spec", str(spec_file)]
+    proc = subprocess.run(cmd, env=child_env(threads), capture_output=True, text=True)
+    (out / "stderr.txt").write_text(proc.stderr)
+    if proc.returncode != 0:
+        tail = proc.stderr.strip().splitlines()[-1:] or ["(no stderr)"]
+        return {"failed": tail[0], "variant": variant}
+    return {**json.loads(proc.stdout.strip().splitlines()[-1]), "variant": variant}
+
+
+def held_out_pass_rate(model_dir: str, threads: int) -> float:
+    """Greedy pass rate on the suite's test split, the same evaluation for every model."""
+    import torch
+
+    from rlhflab import models
+    from rlhflab.config import EvalConfig
+    from rlhflab.eval import answer_and_check, eval_items, table_from_rows
+
+    torch.set_num_threads(threads)
+    cfg = EvalConfig(model=model_dir, split="test", do_sample=False, max_new_tokens=32, device="cpu")
+    model = models.load_causal_lm(model_dir)
+    tokenizer = models.load_tokenizer(model_dir)
+    return table_from_rows(answer_and_check(model, tokenizer, eval_items(cfg), cfg))["overall"]
+
+
+def benchmark(assets: Assets, configs: list[str], threads_list: list[int], repeats: int, run_root: Path,
+              episodes: int) -> list[dict]:
+    """A B C A B C ...: every repeat runs each variant once, for each config and thread count."""
+    results = []
+    for config in configs:
+        for threads in threads_list:
+            for repeat in range(repeats):
+                for variant in VARIANTS:
+                    out = run_root / f"{config.replace(' ', '')}-t{threads}-r{repeat}-{variant}"
+                    r = run_child(variant, assets, config, threads, seed=repeat, out=out, total_episodes=episodes)
+                    r |= {"config": config, "threads_asked": threads, "repeat": repeat}
+                    if "failed" not in r and variant != "trl_no_gc":
+                        r["pass_rate"] = held_out_pass_rate(r["model_dir"], threads)
+                    print(f"  {config:<17} {threads}t r{repeat} {variant:<10} " + summary_line(r), flush=True)
+                    results.append(r)
+    return results
+
+
+def summary_line(r: dict) -> str:
+    if "failed" in r:
+        return f"FAILED: {r['failed']}"
+    eps = r["episodes"] / r["seconds"]
+    rate = f", pass rate {r['pass_rate']:.2f}" if "pass_rate" in r else ""
+    return f"{eps:6.1f} episodes/s, {r['response_tokens'] / r['seconds']:7.0f} tokens/s, {r['peak_rss_mib']:5.0f} MiB{rate}"
+
+
+# --- the table --------------------------------------------------------------------------------
+
+
+def median_of(runs: list[dict], key) -> float | None:
+    values = [key(r) for r in runs if "failed" not in r and key(r) is not None]
+    return statistics.median(values) if values else None
+
+
+def cell(value, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def ratio(a, b) -> str:
+    return "-" if a is None or not b else f"{a / b:.2f}x"
+
+
+COLUMNS = ["config", "threads", "eps rlhflab", "eps TRL", "eps TRL-nogc", "x TRL", "x TRL-nogc",
+           "tok/s rlhflab", "tok/s TRL", "tok/s TRL-nogc", "RSS rlhflab", "RSS TRL", "x RSS", "pass rlhflab", "pass TRL"]
+
+
+def table_row(results: list[dict], config: str, threads: int) -> list[str]:
+    """Medians of the repeats of one (config, threads); ratios are rlhflab / TRL."""
+    runs = {v: [r for r in results if (r["config"], r["threads_asked"], r["variant"]) == (config, threads, v)]
+            for v in VARIANTS}
+    med = lambda key: {v: median_of(runs[v], key) for v in VARIANTS}  # noqa: E731
+    eps = med(lambda r: r["episodes"] / r["seconds"])
+    tok = med(lambda r: r["response_tokens"] / r["seconds"])
+    rss = med(lambda r: r["peak_rss_mib"])
+    rate = med(lambda r: r.get("pass_rate"))
+    return [config, str(threads), *(cell(eps[v], ".1f") for v in VARIANTS), ratio(eps["rlhflab"], eps["trl"]),
+            ratio(eps["rlhflab"], eps["trl_no_gc"]), *(cell(tok[v], ".0f") for v in VARIANTS),
+            cell(rss["rlhflab"], ".0f"), cell(rss["trl"], ".0f"), ratio(rss["rlhflab"], rss["trl"]),
+            cell(rate["rlhflab"], ".2f"), cell(rate["trl"], ".2f")]
+
+
+def markdown_table(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+    line = lambda cells: "| " + " | ".join(str(c).rjust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
+    return "\n".join([line(header), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, rows)])
+
+
+def ppo_table(results: list[dict], sft_pass_rate: float | None, episodes: int) -> str:
+    """eps = episodes/s, tok/s = response tokens (up to EOS) per second, RSS = peak RSS in MiB."""
+    keys = dict.fromkeys((r["config"], r["threads_asked"]) for r in results)
+    rows = [table_row(results, config, threads) for config, threads in keys]
+    n = max((r["repeat"] for r in results), default=0) + 1
+    return (markdown_table(COLUMNS, rows) + f"\nmedians of {n} repeat(s); pass = greedy pass rate on the suite's "
+            f"test split (100 prompts) after {episodes} episodes; SFT start: "
+            f"{cell(sft_pass_rate, '.2f')}")
+
+
+def machine_lines(threads_list: list[int]) -> list[str]:
+    import peft
+    import torch
+    import transformers
+
+    import rlhflab
+
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())
+    trl_versions = "not installed (see the setup at the top of this file)"
+    if TRL_PYTHON.exists():
+        code = "import trl, torch, transformers, peft; print(trl.__version__, torch.__version__, transformers.__version__, peft.__version__)"
+        out = subprocess.run([str(TRL_PYTHON), "-c", code], capture_output=True, text=True).stdout.split()
+        trl_versions = f"trl {out[0]}, torch {out[1]}, transformers {out[2]}, peft {out[3]}" if len(out) == 4 else "?"
+    return [f"machine: {cpu}, {os.cpu_count()} CPUs visible, {platform.system()} {platform.release()}",
+            f"threads: {threads_list} (torch.set_num_threads and OMP_NUM_THREADS in every child), "
+            f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}",
+            f"rlhflab side: rlhflab {getattr(rlhflab, '__version__', '?')}, torch {torch.__version__}, "
+            f"transformers {transformers.__version__}, peft {peft.__version__}, python {platform.python_version()}",
+            f"TRL side:     {trl_versions}"]
+
+
+def settings_line(episodes: int) -> str:
+    s = SHARED
+    return (f"settings: batch {s['batch_size']}, response_length {s['response_length']}, {episodes} episodes, "
+            f"temperature {s['temperature']}, 1 minibatch, lr {s['learning_rate']} linear decay, AdamW betas "
+            f"({s['adam_beta1']}, {s['adam_beta2']}) eps {s['adam_eps']}, no grad clipping, kl_coef {s['kl_coef']} (k1), "
+            f"clip {s['cliprange']}/{s['cliprange_value']}, vf_coef {s['vf_coef']}, gamma {s['gamma']}, lam {s['lam']}, "
+            f"missing-EOS penalty {s['missing_eos_penalty']}, LoRA alpha {s['lora_alpha']} all-linear; "
+            f"rlhflab value head on the policy trunk, TRL a separate value model")
+
+
+# --- the other parts ----------------------------------------------------------------------
+
+
+def rollout_part(assets: Assets, threads_list: list[int]) -> str:
+    from rollout_speed import ROLLOUT_COLUMNS, rollout_rows
+
+    prompts = json.loads(assets.prompts.read_text())
+    return markdown_table(ROLLOUT_COLUMNS, rollout_rows(str(assets.sft), prompts, threads_list))
+
+
+def mfu_part(assets: Assets, threads_list: list[int], run_root: Path) -> str:
+    """fp32 matmul peak, then one short rlhflab PPO run per model size and thread count."""
+    from hardware_limit import MFU_COLUMNS, build_25m, matmul_gflops, mfu_rows
+
+    peaks = {t: max(matmul_gflops(t, 512), matmul_gflops(t, 1024), matmul_gflops(t, 2048)) for t in threads_list}
+    big_policy, big_rm = build_25m(CACHE / "size25m")
+    sizes = {"demo (SFT)": (assets, 256), "~25M (random init)": (Assets(big_policy, big_rm, big_rm, assets.prompts, {}), 32)}
+    rows = []
+    for name, (model_assets, episodes) in sizes.items():
+        for threads in threads_list:
+            out = run_root / f"mfu-{name.split()[0].strip('~')}-t{threads}"
+            run = run_child("rlhflab", model_assets, "full 1 epoch", threads, 0, out, total_episodes=episodes)
+            if "failed" in run:
+                rows.append([name, "-", str(threads), f"FAILED: {run['failed']}", *["-"] * 5])
+                continue
+            rows += mfu_rows(name, str(model_assets.sft), run, peaks[threads], 1, False,
+                             assets.notes["mean_prompt_tokens"])
+    peak_line = ", ".join(f"{t} thread(s): {p:.1f} GFLOP/s" for t, p in peaks.items())
+    return f"fp32 matmul peak (best of 512/1024/2048 square): {peak_line}\n" + markdown_table(MFU_COLUMNS, rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--parts", default="ppo,rollout,mfu", help="comma-separated: ppo, rollout, mfu")
+    parser.add_argument("--threads", default="1,2", help="thread counts to run, comma-separated")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--configs", default=",".join(CONFIGS), help=f"any of {list(CONFIGS)}, comma-separated")
+    parser.add_argument("--episodes", type=int, default=SHARED["total_episodes"], help="episodes per PPO run")
+    parser.add_argument("--sft_steps", type=int, default=600, help="steps of the cached `rlhflab sft` model")
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        rlhflab_child(json.loads(Path(args.child).read_text()))
+        return
+    parts, threads_list = args.parts.split(","), [int(t) for t in args.threads.split(",")]
+    print("\n".join(machine_lines(threads_list)), flush=True)
+    assets = prepare(args.sft_steps, max(threads_list))
+    print(f"assets: {json.dumps(assets.notes)}", flush=True)
+    run_root = Path(tempfile.mkdtemp(prefix="ppo-vs-trl-", dir=CACHE))
+    report = {}
+    if "ppo" in parts:
+        if not TRL_PYTHON.exists():
+            raise SystemExit(f"{TRL_PYTHON} not found: run the setup at the top of {__file__}")
+        print(settings_line(args.episodes), flush=True)
+        results = benchmark(assets, args.configs.split(","), threads_list, args.repeats, run_root, args.episodes)
+        (run_root / "ppo_results.json").write_text(json.dumps(results, indent=1))
+        report["ppo"] = ppo_table(results, held_out_pass_rate(str(assets.sft), max(threads_list)), args.episodes)
+        print("\n" + report["ppo"], flush=True)
+    if "rollout" in parts:
+        report["rollout"] = rollout_part(assets, threads_list)
+        print("\n" + report["rollout"], flush=True)
+    if "mfu" in parts:
+        report["mfu"] = mfu_part(assets, threads_list, run_root)
+        print("\n" + report["mfu"], flush=True)
+    (run_root / "report.json").write_text(json.dumps(report, indent=1))
+    print(f"\nraw results: {run_root}")
+
+
+if __name__ == "__main__":
+    main()
