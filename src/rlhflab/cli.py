@@ -45,7 +45,7 @@ stages:
 
 
 def print_report(run_dir: Path) -> None:
-    """Each training command ends with its report.html. The run's files are already written, so a
+    """Each command that writes a run folder ends with its report.html. The run's files are already written, so a
     failure here is logged with the command to retry rather than turning a finished run into an error."""
     from rlhflab.report import write_report
 
@@ -95,6 +95,7 @@ def run_eval(cfg) -> int:
     result = evaluate(cfg)
     print(format_table({Path(cfg.model).name or cfg.model: result.summary["pass_rate"]}, title=f"{cfg.split} pass rate"))
     print(f"\nanswers and verdicts: {result.run_dir / 'samples.jsonl'}")
+    print_report(result.run_dir)
     return 0
 
 
@@ -140,6 +141,7 @@ def run_rm_diagnose(cfg) -> int:
     print(f"  point-biserial correlation with pass/fail {d['point_biserial']:.3f}, ROC-AUC {d['roc_auc']:.3f}")
     print(describe_length_bias(result.summary["length_bias"]))
     print(f"worst cases: {result.run_dir / 'worst_cases.md'}")
+    print_report(result.run_dir)
     return 0
 
 

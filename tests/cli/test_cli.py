@@ -89,6 +89,7 @@ def test_eval_command_on_the_demo_model(demo_run, tmp_path, capsys):
     assert "validation pass rate" in capsys.readouterr().out
     summary = json.loads((tmp_path / "ev" / "summary.json").read_text())
     assert summary["split"] == "validation" and sum(summary["pass_rate"]["counts"].values()) == 11
+    assert (tmp_path / "ev" / "report.html").is_file()
 
 
 def test_refuses_to_overwrite_a_run_folder(demo_run, capsys):
@@ -198,7 +199,7 @@ def test_rm_diagnose_command(demo_run, tmp_path, capsys):
     assert "point-biserial" in capsys.readouterr().out
     summary = json.loads((tmp_path / "diag" / "summary.json").read_text())
     assert summary["rm_diagnosis"]["answers"] == 22
-    assert (tmp_path / "diag" / "worst_cases.md").is_file()
+    assert (tmp_path / "diag" / "worst_cases.md").is_file() and (tmp_path / "diag" / "report.html").is_file()
 
 
 def test_demo_refuses_a_bad_later_stage_config_before_training(tmp_path, capsys):
