@@ -4,6 +4,7 @@ import dataclasses
 import json
 
 import pytest
+from tinyhf import save_suite_model
 import torch
 
 from rlhflab import data, models, tasks
@@ -26,11 +27,7 @@ MODES = {
 
 @pytest.fixture(scope="module")
 def policy_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("policy")
-    tokenizer = models.build_tokenizer(tasks.template_corpus(), vocab_size=256)
-    model = models.build_tiny_model(tokenizer, hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64, seed=0)
-    models.save_model_folder(folder, model, tokenizer)
-    return str(folder)
+    return save_suite_model(tmp_path_factory.mktemp("policy"))
 
 
 def tiny_cfg(policy_dir, **overrides) -> PPOConfig:

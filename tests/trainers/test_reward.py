@@ -3,6 +3,7 @@
 import json
 
 import pytest
+from tinyhf import save_suite_model
 import torch
 
 from rlhflab import models, tasks
@@ -13,11 +14,7 @@ from rlhflab.trainers import reward
 
 @pytest.fixture(scope="module")
 def backbone_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("backbone")
-    tokenizer = models.build_tokenizer(tasks.template_corpus(), vocab_size=256)
-    model = models.build_tiny_model(tokenizer, hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64, seed=0)
-    models.save_model_folder(folder, model, tokenizer)
-    return str(folder)
+    return save_suite_model(tmp_path_factory.mktemp("backbone"))
 
 
 def tiny_rm_cfg(backbone_dir, tmp_path, **overrides) -> RMConfig:
