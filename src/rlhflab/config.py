@@ -138,6 +138,9 @@ class SFTConfig(CheckpointFields, RunFields, ModelFields, TinyModelFields, Suite
 
     max_steps: int = arg(1000, "optimiser steps (the tiny model learns to copy unseen words only after ~600)")
     batch_size: int = arg(64, "sequences per optimiser step (split over gradient_accumulation_steps)")
+    gradient_accumulation_steps: int = arg(
+        2, "micro-batches per optimiser step, cut from the step's sequences sorted by length (less padding, "
+           "same gradient)")
     eval_every: int = arg(250, "validation loss and pass rate every N steps; 0 = only at the end")
     eval_prompts: int = arg(100, "validation prompts used for the periodic pass rate")
     group_by_length: int = arg(0, "sort runs of this many batches by length before cutting them (less padding); 0 = off")
@@ -254,12 +257,20 @@ class RMConfig(CheckpointFields, RunFields, ModelFields, SuiteFields, DataFields
 
     pair_kinds: str = arg("", "built-in suite: violation kinds of the rejected answers (comma-separated); empty = all")
     pairs_per_prompt: int = arg(3, "built-in suite: rejected answers per prompt")
+    pair_kinds_always: str = arg(
+        "", "built-in suite: kinds every prompt's pairs include when its family has them, after the dominant kind "
+            "(e.g. wrong_content, the errors reward models find hardest); empty = random")
+    near_misses: int = arg(
+        0, "built-in suite: extra rejected answers per train prompt that are the reference with one letter of a "
+           "copied word changed (the copying slips small policies make); 0 = off")
     pair_prompts: int = arg(0, "built-in suite: train pairs on this many fresh train-pool prompts; 0 = the fixed train split")
     hard_negatives: int = arg(
         0, "built-in suite: answers sampled per prompt from --model (the policy); each failing one becomes a "
            "rejected answer against the reference, so the RM learns the policy's own mistakes; 0 = off")
     num_epochs: int = arg(1, "passes over the training pairs (reward models overfit fast)")
     batch_size: int = arg(32, "pairs per optimiser step")
+    length_chunks: int = arg(2, "forward passes per step over the step's sequences sorted by length (less padding, "
+                                "same gradient); 1 = one pass")
     margin: float = arg(0.0, "Bradley-Terry margin: -log sigmoid(r_c - r_r - margin)")
     center_rewards_coef: float = arg(0.0, "reward-centring penalty coef * (r_c + r_r)^2 (Eisenstein et al. 2023)")
     learning_rate: float = arg(3e-4, "peak AdamW learning rate")
@@ -291,15 +302,18 @@ class DemoConfig(SFTConfig):
     run_ppo: bool = arg(True, "run the PPO stage with the task checker as reward")
     run_rm: bool = arg(True, "train a reward model on the suite's pairs, diagnose it, and run PPO with it as reward")
     ppo_config: str = arg("", "YAML of PPOConfig fields for the demo's PPO stages (e.g. configs/ppo_tiny.yaml)")
-    ppo_total_episodes: int = arg(3840, "PPO stages: responses generated")
+    ppo_total_episodes: int = arg(2560, "PPO stages: responses generated")
     ppo_learning_rate: float = arg(1e-4, "PPO stages: learning rate")
     ppo_kl_coef: float = arg(0.05, "PPO stages: KL penalty coefficient beta")
     rm_config: str = arg("", "YAML of RMConfig fields for the demo's reward model (e.g. configs/rm_tiny.yaml)")
-    rm_epochs: int = arg(1, "reward model: passes over the pairs")
+    rm_epochs: int = arg(2, "reward model: passes over the pairs")
     rm_hard_negatives: int = arg(2, "reward model: SFT answers sampled per prompt; the failing ones become rejected answers")
     rm_pair_prompts: int = arg(2400, "reward model: fresh train-pool prompts the pairs are built on")
-    rm_learning_rate: float = arg(6e-4, "reward model: learning rate")
-    rm_center_rewards_coef: float = arg(0.05, "reward model: reward-centring coefficient (keeps families on one scale)")
+    rm_learning_rate: float = arg(3e-4, "reward model: learning rate")
+    rm_center_rewards_coef: float = arg(0.01, "reward model: reward-centring coefficient (keeps families on one scale)")
+    rm_pair_kinds_always: str = arg("wrong_content", "reward model: kinds every prompt's training pairs include "
+                                                     "(content errors are the ones it finds hardest)")
+    rm_near_misses: int = arg(0, "reward model: near-miss rejected answers per train prompt (one copied letter changed)")
 
 
 @dataclass(frozen=True)

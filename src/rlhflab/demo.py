@@ -68,7 +68,8 @@ def ppo_stage_config(demo: DemoConfig, model_dir: str, out: str, **reward_fields
 def rm_stage_config(demo: DemoConfig, model_dir: str, out: str) -> RMConfig:
     values = {**shared_fields(demo, RMConfig), "num_epochs": demo.rm_epochs, "hard_negatives": demo.rm_hard_negatives,
               "pair_prompts": demo.rm_pair_prompts, "learning_rate": demo.rm_learning_rate,
-              "center_rewards_coef": demo.rm_center_rewards_coef}
+              "center_rewards_coef": demo.rm_center_rewards_coef, "pair_kinds_always": demo.rm_pair_kinds_always,
+              "near_misses": demo.rm_near_misses}
     if demo.rm_config:
         values |= read_yaml_config(demo.rm_config, RMConfig)
     return RMConfig(**{**values, "model": model_dir, "tokenizer": "", "output_dir": out, "overwrite": True})

@@ -87,6 +87,26 @@ def test_pair_rows_kinds_filter():
         pair_rows(items, kinds=["typo"])
 
 
+def test_pair_rows_always_kinds_follow_the_dominant_kind_and_leave_other_seeds_alone():
+    items = build_splits(0)["validation"]
+    plain = pair_rows(items, pairs_per_prompt=3, seed=0)
+    assert pair_rows(items, pairs_per_prompt=3, seed=0, always=()) == plain  # no change without `always`
+    rows = pair_rows(items, pairs_per_prompt=3, seed=0, always=["wrong_content"])
+    per_prompt: dict[str, list[str]] = {}
+    for row in rows:
+        per_prompt.setdefault(row["prompt"], []).append(row["violation"])
+    for item in items:
+        kinds, family_kinds = per_prompt[item.prompt], FAMILIES[item.family].kinds
+        assert len(kinds) == 3 and kinds[0] == family_kinds[0]
+        assert ("wrong_content" in kinds) == ("wrong_content" in family_kinds)  # every family that has it
+    share = lambda rs: sum(r["violation"] == "wrong_content" for r in rs) / len(rs)  # noqa: E731
+    assert share(rows) > share(plain)
+    one = pair_rows(items, pairs_per_prompt=1, seed=0, always=["wrong_content"])
+    assert [r["violation"] for r in one] == [FAMILIES[i.family].kinds[0] for i in items]  # the dominant kind first
+    with pytest.raises(UserInputError, match="unknown violation kinds"):
+        pair_rows(items, always=["typo"])
+
+
 def test_prompt_rows():
     items = build_splits(0)["test"][:3]
     assert prompt_rows(items) == [{"prompt": i.prompt, "family": i.family, "reference": i.reference} for i in items]

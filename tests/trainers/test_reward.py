@@ -1,5 +1,6 @@
 """Reward-model trainer: a tiny RM learns a separable preference; metrics add up."""
 
+import dataclasses
 import json
 
 import pytest
@@ -42,10 +43,38 @@ def test_evaluate_pairs_counts_hand_made_scores(backbone_dir, monkeypatch):
     batch = [reward.TokenizedPair([1], [2], "a", "x"), reward.TokenizedPair([1], [2], "b", "y"),
              reward.TokenizedPair([1], [2], "b", "x")]
     fake = iter([(torch.tensor([2.0, 0.0, 1.0]), torch.tensor([1.0, 1.0, 0.0]))])
-    monkeypatch.setattr(reward, "pair_scores", lambda model, pairs, pad: next(fake))
+    monkeypatch.setattr(reward, "pair_scores", lambda model, pairs, pad, chunks=1: next(fake))
     out = reward.evaluate_pairs(torch.nn.Linear(1, 1), batch, pad_id=0)
     assert out["accuracy"] == pytest.approx(2 / 3) and out["margin"] == pytest.approx(1 / 3)
     assert out["per_family"] == {"a": 1.0, "b": 0.5} and out["per_violation"] == {"x": 1.0, "y": 0.0}
+
+
+def test_length_sorted_chunks_give_the_same_scores_and_gradient_as_one_pass(backbone_dir):
+    tokenizer = models.load_tokenizer(backbone_dir)
+    rm = models.build_reward_model_from_causal(backbone_dir, tokenizer)
+    rm.config.pad_token_id = tokenizer.pad_token_id
+    lengths = [(3, 11), (9, 2), (5, 5), (14, 7), (1, 12)]  # chosen / rejected lengths, unsorted on purpose
+    batch = [reward.TokenizedPair(list(range(4, 4 + c)), list(range(7, 7 + r)), None, None) for c, r in lengths]
+    results = []
+    for chunks in (1, 3):
+        rm.zero_grad()
+        chosen, rejected = reward.pair_scores(rm, batch, tokenizer.pad_token_id, chunks)
+        (chosen - 2 * rejected).sum().backward()
+        results.append((chosen.detach(), rejected.detach(), rm.score.weight.grad.clone()))
+    (c1, r1, g1), (c3, r3, g3) = results
+    assert torch.allclose(c1, c3, atol=1e-5) and torch.allclose(r1, r3, atol=1e-5)  # each score stays with its pair
+    assert not torch.allclose(c1, r1)
+    assert torch.allclose(g1, g3, atol=1e-5)
+
+
+def test_always_kinds_shape_the_training_pairs_only(backbone_dir, tmp_path):
+    cfg = tiny_rm_cfg(backbone_dir, tmp_path, pair_kinds="", pairs_per_prompt=2)
+    splits = reward.pair_prompt_sets(cfg)
+    plain = reward.suite_pairs(cfg, splits)
+    shaped = reward.suite_pairs(dataclasses.replace(cfg, pair_kinds_always="wrong_content"), splits)
+    assert shaped["test"] == plain["test"] and shaped["validation"] == plain["validation"]  # comparable accuracies
+    content = lambda pairs: sum(p.violation == "wrong_content" for p in pairs)  # noqa: E731
+    assert content(shaped["train"]) > content(plain["train"])
 
 
 def test_no_pairs_of_the_asked_kind_is_a_clear_error(backbone_dir, tmp_path):
@@ -73,3 +102,15 @@ def test_hard_negatives_join_every_split_and_are_refused_for_a_users_pairs_file(
     assert all(any(p.violation == reward.HARD_NEGATIVE for p in split) for split in pairs.values())
     with pytest.raises(UserInputError, match="hard negatives"):
         reward.load_pairs(tiny_rm_cfg(backbone_dir, tmp_path, hard_negatives=1, train_file="x.jsonl"), None)
+
+
+def test_near_misses_join_the_training_pairs_only_and_are_refused_for_a_users_pairs_file(backbone_dir, tmp_path):
+    cfg = tiny_rm_cfg(backbone_dir, tmp_path, pair_kinds="", near_misses=2)
+    pairs = reward.load_pairs(cfg, models.load_tokenizer(backbone_dir))
+    plain = reward.load_pairs(dataclasses.replace(cfg, near_misses=0), models.load_tokenizer(backbone_dir))
+    added = len(pairs["train"]) - len(plain["train"])
+    assert 0 < added <= 2 * cfg.num_train_prompts
+    assert sum(p.violation == reward.NEAR_MISS for p in pairs["train"]) == added
+    assert not any(p.violation == reward.NEAR_MISS for split in ("validation", "test") for p in pairs[split])
+    with pytest.raises(UserInputError, match="near misses"):
+        reward.load_pairs(tiny_rm_cfg(backbone_dir, tmp_path, near_misses=1, train_file="x.jsonl"), None)

@@ -50,16 +50,20 @@ def sft_rows(
 
 
 def pair_rows(
-    items: Sequence[TaskItem], kinds: Sequence[str] | None = None, pairs_per_prompt: int = 3, seed: int = 0
+    items: Sequence[TaskItem], kinds: Sequence[str] | None = None, pairs_per_prompt: int = 3, seed: int = 0,
+    always: Sequence[str] = (),
 ) -> list[dict]:
     """Preference pairs {"prompt", "chosen", "rejected", "family", "violation"}; chosen = reference.
 
-    Each prompt gets up to `pairs_per_prompt` different rejected kinds, its family's
-    dominant kind first when allowed. `kinds` restricts the rejected kinds (a narrow
-    set makes a deliberately weak reward model); families with none are skipped.
+    Each prompt gets up to `pairs_per_prompt` different rejected kinds: its family's
+    dominant kind first when allowed, then the `always` kinds it has (e.g. wrong_content,
+    the errors a reward model finds hardest), then random others. `kinds` restricts the
+    rejected kinds (a narrow set makes a deliberately weak reward model); families with
+    none are skipped.
     """
     if kinds is not None:
         validate_kinds(kinds)
+    validate_kinds(always)
     if pairs_per_prompt < 1:
         raise UserInputError(f"pairs_per_prompt must be >= 1, got {pairs_per_prompt}")
     rng = random.Random(f"rlhflab.tasks.pairs:{seed}")
@@ -69,8 +73,9 @@ def pair_rows(
         allowed = [k for k in family.kinds if kinds is None or k in kinds]
         if not allowed:
             continue
-        first, rest = allowed[:1], allowed[1:]
-        picked = first + rng.sample(rest, min(len(rest), pairs_per_prompt - 1))
+        first = allowed[:1] + [k for k in allowed[1:] if k in always]
+        rest = [k for k in allowed if k not in first]
+        picked = first[:pairs_per_prompt] + rng.sample(rest, max(0, min(len(rest), pairs_per_prompt - len(first))))
         for kind in picked:
             rejected = family.violate(item, kind, rng)
             rows.append(

@@ -69,13 +69,29 @@ def pair_prompt_sets(cfg: RMConfig) -> dict[str, list[tasks.TaskItem]]:
 
 
 def suite_pairs(cfg: RMConfig, splits: dict[str, list[tasks.TaskItem]]) -> dict[str, list[data.PairExample]]:
-    """Built-in pairs for each split; `pair_kinds` restricts the rejected answers' violations."""
+    """Built-in pairs for each split; `pair_kinds` restricts the rejected answers' violations.
+
+    `pair_kinds_always` shapes the training pairs only, so held-out accuracies stay comparable
+    between reward models trained on different mixes.
+    """
     kinds = [k.strip() for k in cfg.pair_kinds.split(",") if k.strip()] or None
+    always = [k.strip() for k in cfg.pair_kinds_always.split(",") if k.strip()]
     out = {}
     for split, items in splits.items():
-        rows = tasks.pair_rows(items, kinds, cfg.pairs_per_prompt, seed=cfg.seed)
+        rows = tasks.pair_rows(items, kinds, cfg.pairs_per_prompt, seed=cfg.seed,
+                               always=always if split == "train" else ())  # held-out pairs keep the usual mix
         out[split] = [data.PairExample(r["prompt"], r["chosen"], r["rejected"], r["family"], r["violation"]) for r in rows]
     return out
+
+
+NEAR_MISS = "near_miss"  # the violation label of a near miss: the reference with one copied letter changed
+
+
+def near_miss_pairs(cfg: RMConfig, items: list[tasks.TaskItem]) -> list[data.PairExample]:
+    """`cfg.near_misses` near-miss rejected answers per item against the reference (training pairs only)."""
+    rng = random.Random(f"rlhflab.rm.near_miss:{cfg.seed}")
+    return [data.PairExample(item.prompt, item.reference, answer, item.family, NEAR_MISS)
+            for item in items for answer in tasks.near_misses(item, cfg.near_misses, rng)]
 
 
 HARD_NEGATIVE = "policy_answer"  # the violation label of a hard negative: the policy's own failing answer
@@ -102,8 +118,13 @@ def load_pairs(cfg: RMConfig, tokenizer) -> dict[str, list[TokenizedPair]]:
     if cfg.hard_negatives and cfg.train_file:
         raise UserInputError("hard negatives need the built-in suite's checker", "--hard_negatives",
                              "drop --hard_negatives, or add the policy's failing answers to your pairs file")
+    if cfg.near_misses and cfg.train_file:
+        raise UserInputError("near misses are built from the built-in suite's items", "--near_misses",
+                             "drop --near_misses, or add near-miss rejected answers to your pairs file")
     splits = pair_prompt_sets(cfg)
     pairs = suite_pairs(cfg, splits)
+    if cfg.near_misses:  # training pairs only, like pair_kinds_always: held-out accuracies stay comparable
+        pairs["train"] += near_miss_pairs(cfg, splits["train"])
     if cfg.hard_negatives:
         for split, items in splits.items():
             pairs[split] += hard_negative_pairs(cfg, tokenizer, items)
@@ -122,14 +143,28 @@ def load_pairs(cfg: RMConfig, tokenizer) -> dict[str, list[TokenizedPair]]:
     return {split: tokenize_pairs(p, tokenizer, cfg.max_length) for split, p in pairs.items()}
 
 
-def pair_scores(model, batch: list[TokenizedPair], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scores of chosen and rejected, both (B,), from one right-padded forward pass of 2B rows."""
-    seqs = [p.chosen for p in batch] + [p.rejected for p in batch]
+def padded_scores(model, seqs: list[list[int]], pad_id: int) -> torch.Tensor:
+    """(N,) scores of token sequences from one right-padded forward pass."""
     length = max(map(len, seqs))
     device = next(model.parameters()).device
-    ids = torch.tensor([s + [pad_id] * (length - len(s)) for s in seqs], device=device)  # (2B, L)
-    mask = torch.tensor([[1] * len(s) + [0] * (length - len(s)) for s in seqs], device=device)  # (2B, L)
-    scores = models.sequence_scores(model, ids, mask).float()
+    ids = torch.tensor([s + [pad_id] * (length - len(s)) for s in seqs], device=device)  # (N, L)
+    mask = torch.tensor([[1] * len(s) + [0] * (length - len(s)) for s in seqs], device=device)  # (N, L)
+    return models.sequence_scores(model, ids, mask).float()
+
+
+def pair_scores(model, batch: list[TokenizedPair], pad_id: int, chunks: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scores of chosen and rejected, both (B,), from the 2B sequences.
+
+    With `chunks` > 1 the sequences are sorted by length and scored in that many forward
+    passes, each padded only to its own longest row: the same scores with less padding
+    (one backward pass still goes through all of them).
+    """
+    seqs = [p.chosen for p in batch] + [p.rejected for p in batch]
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i])) if chunks > 1 else list(range(len(seqs)))
+    size = math.ceil(len(seqs) / max(1, chunks))
+    parts = [padded_scores(model, [seqs[i] for i in order[s : s + size]], pad_id) for s in range(0, len(order), size)]
+    inverse = torch.argsort(torch.tensor(order, device=parts[0].device))
+    scores = torch.cat(parts)[inverse]  # back to chosen..., rejected...
     return scores[: len(batch)], scores[len(batch) :]
 
 
@@ -139,7 +174,7 @@ def evaluate_pairs(model, pairs: list[TokenizedPair], pad_id: int, batch_size: i
     model.eval()
     chosen, rejected = [], []
     for start in range(0, len(pairs), batch_size):
-        c, r = pair_scores(model, pairs[start : start + batch_size], pad_id)
+        c, r = pair_scores(model, pairs[start : start + batch_size], pad_id, chunks=2)
         chosen.append(c.cpu())
         rejected.append(r.cpu())
     model.train()
@@ -157,8 +192,18 @@ def evaluate_pairs(model, pairs: list[TokenizedPair], pad_id: int, batch_size: i
     return out
 
 
+TRAIN_METRIC_PAIRS = 2000  # the train split's metrics are read on a random sample this large
+
+
+def metric_sample(pairs: list[TokenizedPair], split: str, seed: int) -> list[TokenizedPair]:
+    """All held-out pairs; a fixed random sample of the (often much larger) train split."""
+    if split != "train" or len(pairs) <= TRAIN_METRIC_PAIRS:
+        return pairs
+    return random.Random(f"rlhflab.rm.train_metrics:{seed}").sample(pairs, TRAIN_METRIC_PAIRS)
+
+
 def train_step(model, optimizer, scheduler, batch: list[TokenizedPair], pad_id: int, cfg: RMConfig) -> dict:
-    chosen, rejected = pair_scores(model, batch, pad_id)
+    chosen, rejected = pair_scores(model, batch, pad_id, cfg.length_chunks)
     loss, stats = bradley_terry_loss(chosen, rejected, margin=cfg.margin if cfg.margin else None)
     if cfg.center_rewards_coef > 0:
         loss = loss + reward_centering_penalty(chosen, rejected, cfg.center_rewards_coef)
@@ -229,10 +274,11 @@ def train(cfg: RMConfig, run: RunDir | None = None) -> RunResult:
     bar.close()
 
     # 4. held-out metrics per split, then the model as an ordinary HF folder
-    metrics = {split: evaluate_pairs(model, p, tokenizer.pad_token_id) for split, p in pairs.items()}
+    metrics = {split: evaluate_pairs(model, metric_sample(p, split, cfg.seed), tokenizer.pad_token_id)
+               for split, p in pairs.items()}
     run.log({f"{split}/{k}": v[k] for split, v in metrics.items() for k in ("accuracy", "margin")}, step=step)
     model_dir = models.save_model_folder(run.path / "model", model, tokenizer)
-    summary = run.update_summary(stage="rm", steps=step, pairs=metrics,
+    summary = run.update_summary(stage="rm", steps=step, pairs=metrics, train_pairs=len(pairs["train"]),
                                  wall_time_s={"rm": round(time.time() - started, 1)}, model_dir=str(model_dir),
                                  nonfinite={"mode": cfg.nonfinite, "skipped_updates": skipped})
     run.close()
