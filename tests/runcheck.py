@@ -33,7 +33,7 @@ def sft_args(out):
     return ["sft", "--output_dir", str(out), "--hidden_size", "32", "--num_layers", "1", "--intermediate_size", "64",
             "--sft_examples", "64", "--batch_size", "8", "--max_steps", "16", "--eval_every", "5",
             "--eval_prompts", "4", "--max_new_tokens", "6", "--log_every", "1", "--save_every", "3",
-            "--group_by_length", "2", *SUITE]
+            "--group_by_length", "2", "--gradient_accumulation_steps", "1", *SUITE]  # one loss call per step
 
 
 def rm_args(policy_dir, out):
