@@ -306,7 +306,7 @@ class DemoConfig(SFTConfig):
     ppo_learning_rate: float = arg(1e-4, "PPO stages: learning rate")
     ppo_kl_coef: float = arg(0.05, "PPO stages: KL penalty coefficient beta")
     rm_config: str = arg("", "YAML of RMConfig fields for the demo's reward model (e.g. configs/rm_tiny.yaml)")
-    rm_epochs: int = arg(2, "reward model: passes over the pairs")
+    rm_epochs: int = arg(3, "reward model: passes over the pairs")
     rm_hard_negatives: int = arg(2, "reward model: SFT answers sampled per prompt; the failing ones become rejected answers")
     rm_pair_prompts: int = arg(2400, "reward model: fresh train-pool prompts the pairs are built on")
     rm_learning_rate: float = arg(3e-4, "reward model: learning rate")
