@@ -5,7 +5,9 @@ counts once, as the LM-head matmul; attention adds 2·L·S²·d per causal forwa
   generation  1 forward of S tokens             (prefill + one token at a time, KV cache)
   scoring     3 forwards: policy (+ shared value head), reference, reward model
   training    per PPO epoch 1 forward + backward = 3 forwards (full), ≈ 2 forwards (LoRA:
-              no weight gradients for the frozen base)
+              no weight gradients for the frozen base); with one minibatch rlhflab reuses the
+              scoring pass's policy forward as the first epoch's forward (reuse_rollout_forward),
+              so one forward fewer is counted in training
 MFU = those FLOPs / (phase wall time × measured fp32 matmul peak at the same thread count).
 Useful FLOPs only: padding and rows that already ended are not counted.
 """
@@ -40,10 +42,12 @@ def forward_flops(params: int, layers: int, hidden: int, seq: float) -> float:
     return 2 * params * seq + 2 * layers * seq * seq * hidden
 
 
-def phase_flops(params: int, layers: int, hidden: int, seq: float, epochs: int, lora: bool) -> dict:
+def phase_flops(params: int, layers: int, hidden: int, seq: float, epochs: int, lora: bool,
+                reused_forward: bool = True) -> dict:
     """Model FLOPs per episode of each PPO phase."""
     fwd = forward_flops(params, layers, hidden, seq)
-    return {"generation": fwd, "scoring": 3 * fwd, "training": epochs * (2 if lora else 3) * fwd}
+    return {"generation": fwd, "scoring": 3 * fwd,
+            "training": (epochs * (2 if lora else 3) - (1 if reused_forward else 0)) * fwd}
 
 
 def build_25m(folder: Path) -> tuple[Path, Path]:

@@ -52,6 +52,15 @@ VARIANTS = ("rlhflab", "trl", "trl_no_gc")
 
 
 def rss_mib() -> float:
+    """Peak RSS of this process in MiB: VmHWM, the high-water mark of its own memory map. Not
+    ru_maxrss: on Linux a child started by fork + exec inherits the parent's ru_maxrss, so it
+    would read at least the (large) driver process's RSS."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024  # kB
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
@@ -75,15 +84,19 @@ def rlhflab_child(spec: dict) -> None:
                     warmup_steps=0, weight_decay=0.0, device="cpu", threads=spec["threads"], seed=spec["seed"],
                     eval_every=0, eval_prompts=8, sample_prompts=0, console_samples=0, save_every=0,
                     progress=False, output_dir=spec["out"], overwrite=True, **{k: s[k] for k in keys},
-                    **({"value_model": spec["value_model"]} if spec.get("value_mode") == "separate" else {}))
+                    **({"value_model": spec["value_model"]} if spec.get("value_mode") == "separate" else {}),
+                    **spec.get("rlhflab_options", {}))
     started = time.time()
     result = ppo.train(cfg)
-    seconds = time.time() - started
+    total = time.time() - started
+    # timed like TRL's trainer.train(): the update loop only (rollout, scoring, PPO epochs, metrics),
+    # not loading, the start / end evaluation or the final save (summary wall_time_s, ppo.train)
+    walls = result.summary["wall_time_s"]
     rows = [json.loads(line) for line in (Path(result.run_dir) / "metrics.jsonl").read_text().splitlines()]
     updates = [r for r in rows if "time/generation" in r]
     phase = {k: sum(r[f"time/{k}"] for r in updates) for k in ("generation", "scoring", "training")}
-    print(json.dumps({"library": "rlhflab", "seconds": seconds, "loop_seconds": sum(phase.values()),
-                      "phase_seconds": phase, "episodes": result.summary["episodes"],
+    print(json.dumps({"library": "rlhflab", "seconds": walls["loop"], "train_call_seconds": total,
+                      "wall_time_s": walls, "phase_seconds": phase, "episodes": result.summary["episodes"],
                       "response_tokens": sum(r["response/length_mean"] * s["batch_size"] for r in updates),
                       "peak_rss_mib": rss_mib(), "rss_before_models_mib": before,
                       "threads": torch.get_num_threads(), "model_dir": str(result.model_dir),
@@ -93,12 +106,15 @@ def rlhflab_child(spec: dict) -> None:
 # --- running children -----------------------------------------------------------------------
 
 
-def run_child(variant: str, assets: Assets, config: str, threads: int, seed: int, out: Path, **overrides) -> dict:
+def run_child(variant: str, assets: Assets, config: str, threads: int, seed: int, out: Path,
+              rlhflab_options: dict | None = None, save_model: bool = True, env: dict | None = None,
+              **overrides) -> dict:
     """One run of one variant in a fresh process; returns its JSON line."""
     spec = {"sft": str(assets.sft), "reward_model": str(assets.reward_model), "value_model": str(assets.value_model),
             "prompts": str(assets.prompts), "settings": {**SHARED, **CONFIGS[config], **overrides}, "threads": threads,
-            "seed": seed, "out": str(out), "no_gc": variant == "trl_no_gc",
-            "save_model": variant != "trl_no_gc"}  # gc changes no number: one TRL model per repeat is evaluated
+            "seed": seed, "out": str(out), "no_gc": variant == "trl_no_gc", "rlhflab_options": rlhflab_options or {},
+            # gc changes no number: one TRL model per repeat is evaluated
+            "save_model": save_model and variant != "trl_no_gc"}
     out.mkdir(parents=True, exist_ok=True)
     spec_file = out / "spec.json"
     spec_file.write_text(json.dumps(spec))
@@ -106,7 +122,7 @@ def run_child(variant: str, assets: Assets, config: str, threads: int, seed: int
         cmd = [sys.executable, __file__, "--child", str(spec_file)]
     else:
         cmd = [str(TRL_PYTHON), str(HERE / "trl_child.py"), "--spec", str(spec_file)]
-    proc = subprocess.run(cmd, env=child_env(threads), capture_output=True, text=True)
+    proc = subprocess.run(cmd, env={**child_env(threads), **(env or {})}, capture_output=True, text=True)
     (out / "stderr.txt").write_text(proc.stderr)
     if proc.returncode != 0:
         tail = proc.stderr.strip().splitlines()[-1:] or ["(no stderr)"]
@@ -269,9 +285,54 @@ def mfu_part(assets: Assets, threads_list: list[int], run_root: Path) -> str:
     return f"fp32 matmul peak (best of 512/1024/2048 square): {peak_line}\n" + markdown_table(MFU_COLUMNS, rows)
 
 
+def memory_part(assets: Assets, threads: int, run_root: Path, episodes: int = 32) -> str:
+    """Peak RSS in LoRA mode at ~25M parameters, where the models, not the imports, dominate.
+
+    Same random-init ~25M Llama policy + same-size reward model as the mfu part (TRL's value
+    model is that reward model, a full second network; rlhflab's value is a head on the policy
+    trunk). Fewer episodes than the throughput runs: peak memory is reached in the first update.
+    """
+    from hardware_limit import build_25m
+
+    big_policy, big_rm = build_25m(CACHE / "size25m")
+    big = Assets(big_policy, big_rm, big_rm, assets.prompts, {})
+    same_malloc = {"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}  # what mmap_threshold_mib=1 sets, via glibc's env
+    runs = {
+        "rlhflab (defaults)": ("rlhflab", {}, {}),
+        "rlhflab, lora_merge_generation=true": ("rlhflab", {"lora_merge_generation": True}, {}),
+        "rlhflab, mmap_threshold_mib=1": ("rlhflab", {"mmap_threshold_mib": 1}, {}),
+        "rlhflab, mmap_threshold_mib=1, reuse_rollout_forward=false": (
+            "rlhflab", {"mmap_threshold_mib": 1, "reuse_rollout_forward": False}, {}),
+        "TRL 1.12 with MALLOC_MMAP_THRESHOLD_=1MiB": ("trl", {}, same_malloc),
+        "TRL 1.12": ("trl", {}, {}),
+    }
+    rows, results = [], {}
+    for name, (variant, options, env) in runs.items():
+        out = run_root / f"memory-25m-{variant}-{len(results)}"
+        # both sides load, train and save the policy (rlhflab's ppo.train saves it; TRL's peak is taken
+        # after its save too, "peak_rss_after_save_mib"), so each peak covers the same work
+        r = run_child(variant, big, "LoRA r8 1 epoch", threads, 0, out, rlhflab_options=options, env=env,
+                      total_episodes=episodes)
+        r["peak_rss_mib"] = max(r.get("peak_rss_mib", 0), r.get("peak_rss_after_save_mib", 0))
+        results[name] = r
+        if "failed" in r:
+            rows.append([name, f"FAILED: {r['failed']}", "-", "-", "-"])
+            continue
+        print(f"  memory 25M LoRA {name}: {r['peak_rss_mib']:.0f} MiB peak", flush=True)
+        rows.append([name, f"{r['rss_before_models_mib']:.0f}", f"{r['peak_rss_mib']:.0f}",
+                     f"{r['peak_rss_mib'] - r['rss_before_models_mib']:.0f}", f"{r['episodes'] / r['seconds']:.1f}"])
+    trl = results["TRL 1.12"]
+    if "failed" not in trl:
+        for row, r in zip(rows, results.values()):
+            row.append("-" if "failed" in r else f"{r['peak_rss_mib'] / trl['peak_rss_mib']:.2f}x")
+    (run_root / "memory_results.json").write_text(json.dumps(results, indent=1))
+    header = ["run (LoRA r8, ~25M params)", "RSS before models", "peak RSS", "peak - before", "episodes/s", "x TRL"]
+    return (f"{episodes} episodes, {threads} thread(s), RSS in MiB\n" + markdown_table(header, rows))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--parts", default="ppo,rollout,mfu", help="comma-separated: ppo, rollout, mfu")
+    parser.add_argument("--parts", default="ppo,rollout,mfu,memory", help="comma-separated: ppo, rollout, mfu, memory")
     parser.add_argument("--threads", default="1,2", help="thread counts to run, comma-separated")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--configs", default=",".join(CONFIGS), help=f"any of {list(CONFIGS)}, comma-separated")
@@ -302,6 +363,9 @@ def main() -> None:
     if "mfu" in parts:
         report["mfu"] = mfu_part(assets, threads_list, run_root)
         print("\n" + report["mfu"], flush=True)
+    if "memory" in parts:
+        report["memory"] = memory_part(assets, min(threads_list), run_root)
+        print("\n" + report["memory"], flush=True)
     (run_root / "report.json").write_text(json.dumps(report, indent=1))
     print(f"\nraw results: {run_root}")
 

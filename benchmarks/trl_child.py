@@ -25,6 +25,15 @@ from pathlib import Path  # noqa: E402
 
 
 def rss_mib() -> float:
+    """Peak RSS of this process in MiB: VmHWM, the high-water mark of its own memory map. Not
+    ru_maxrss: on Linux a child started by fork + exec inherits the parent's ru_maxrss, so it
+    would read at least the (large) driver process's RSS."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024  # kB
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
@@ -124,6 +133,7 @@ def main() -> None:
         save_policy(trainer, tokenizer, out / "model")
     print(json.dumps({"library": "trl", "seconds": t2 - t1, "setup_seconds": t1 - t0,
                       "episodes": trainer.state.episode, "peak_rss_mib": peak, "rss_before_models_mib": before,
+                      "peak_rss_after_save_mib": rss_mib(),
                       "threads": torch.get_num_threads(), "model_dir": str(out / "model"),
                       "loadavg_1min_after": os.getloadavg()[0], **counter}))
 

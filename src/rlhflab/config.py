@@ -217,6 +217,15 @@ class PPOConfig(MonitorFields, CheckpointFields, RunFields, ModelFields, SuiteFi
     value_model: str = arg("", "value model init for value_mode=separate; empty = the policy (a reward model also works)")
     reference_mode: Literal["resident", "reload"] = arg(
         "resident", "keep a reference copy in memory, or reload it for each rollout's log-probs and free it")
+    lora_merge_generation: bool = arg(
+        False, "LoRA: sample rollouts with the adapter merged into temporary weight copies (somewhat faster "
+               "decoding; costs one extra copy of the adapted weights while generating; originals restored bit for bit)")
+    reuse_rollout_forward: bool = arg(
+        True, "with one minibatch of one micro-batch: keep the rollout's policy forward (with its autograd graph) "
+              "as the first PPO step's forward instead of repeating it (its activations stay alive during scoring)")
+    mmap_threshold_mib: int = arg(
+        0, "CPU memory (glibc): allocations of at least this many MiB are mmapped and handed back to the OS when "
+           "freed, which lowers peak RSS for big models (1 is a good value at ~25M+ parameters); 0 = malloc's default")
     # the cycle
     total_episodes: int = arg(3840, "responses generated over the run")
     batch_size: int = arg(64, "prompts per rollout (one PPO update)")

@@ -129,3 +129,52 @@ def test_use_adapter_switches_and_restores(setup):
             pass
     with pytest.raises(UserInputError, match="already exists"):
         add_value_adapter(model, r=4, alpha=8)
+
+
+def _lora_with_moved_adapter(base, **kwargs):
+    model = apply_lora(base, r=4, alpha=8, **kwargs)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0.0, 0.5)  # B starts at zero: move it so the adapter changes the output
+    return model.eval()
+
+
+def test_merged_generation_gives_the_same_tokens_and_restores_the_exact_weights(setup, suite_tokenizer):
+    from rlhflab.models import merged_adapter
+    from rlhflab.rollout import GenerationSettings, generate
+
+    base, _, _ = setup
+    model = _lora_with_moved_adapter(base)
+    prompts = [suite_tokenizer.encode("Add 3 and 4."), suite_tokenizer.encode("Repeat the sentence exactly:\nab")]
+    kwargs = dict(pad_id=suite_tokenizer.pad_token_id, eos_id=suite_tokenizer.eos_token_id,
+                  settings=GenerationSettings(max_new_tokens=8, do_sample=False))
+    tensors = {n: p.data for n, p in model.named_parameters()}  # the tensor objects themselves
+    values = {n: t.clone() for n, t in tensors.items()}
+    flags = {n: p.requires_grad for n, p in model.named_parameters()}
+    unmerged = generate(model, prompts, lean=False, **kwargs)
+    with merged_adapter(model):
+        assert any(not torch.equal(p.data, values[n]) for n, p in model.named_parameters())  # merged inside
+        merged_lean = generate(model, prompts, **kwargs)
+        merged_hf = generate(model, prompts, lean=False, **kwargs)
+    assert torch.equal(merged_lean.response_ids, unmerged.response_ids)
+    assert torch.equal(merged_hf.response_ids, unmerged.response_ids)
+    for name, param in model.named_parameters():
+        assert param.data is tensors[name] or param.data.data_ptr() == tensors[name].data_ptr(), name
+        assert torch.equal(param.data, values[name]), name  # bit-identical, not W + BA - BA
+        assert param.requires_grad == flags[name], name
+    assert not any(m.disable_adapters for m in model.modules() if hasattr(m, "lora_A"))  # adapters back on
+
+
+def test_adapters_off_is_the_base_and_restores_switches_and_trainability(setup):
+    base, reference, (ids, _, _) = setup
+    model = _lora_with_moved_adapter(base)
+    add_value_adapter(model, r=4, alpha=8)
+    flags = {n: p.requires_grad for n, p in model.named_parameters()}
+    with torch.no_grad():
+        policy = model(input_ids=ids).logits
+        with adapters_off(model):
+            assert torch.equal(model(input_ids=ids).logits, reference(ids).logits)
+        assert torch.equal(model(input_ids=ids).logits, policy)
+    assert {n: p.requires_grad for n, p in model.named_parameters()} == flags
+    assert any(flags[n] for n in flags if ".value." in n) and any(flags[n] for n in flags if ".default." in n)

@@ -61,7 +61,9 @@ def test_unseen_words_are_spelled_out(tokenizer):
 def test_unseen_word_pieces_are_single_chars_or_corpus_pieces(tokenizer, corpus, words):
     known = corpus_pieces(tokenizer, corpus)
     vocab_words = set(template_words(corpus))
-    text = " ".join(words)
+    # a template word may split differently where the corpus never has it (e.g. "items" at the
+    # start of a text: "ite" + "ms"), so the joined text holds only the other words
+    text = " ".join(w for w in words if w not in vocab_words)
     for piece in pieces(tokenizer, text):
         assert is_single_char(tokenizer, piece) or piece in known, (text, piece)
     for word in words:

@@ -60,10 +60,12 @@ def test_generation_stops_as_soon_as_every_sequence_has_eos():
         model.model.norm.weight.fill_(0.0)  # ...and a zero norm makes every logit 0: argmax = token 0
     calls = []
     model.register_forward_hook(lambda *args: calls.append(1))
-    out = generate(model, [[5, 6], [7]], pad_id=PAD, eos_id=0, settings=GREEDY)
+    out = generate(model, [[5, 6], [7]], pad_id=PAD, eos_id=0, settings=GREEDY, lean=False)
     assert out.response_ids.shape == (2, 1)  # stopped after one token, not at max_new_tokens=8
     assert out.ended_with_eos.tolist() == [True, True]
     assert len(calls) == 1  # only the prefill forward ran
+    lean = generate(model, [[5, 6], [7]], pad_id=PAD, eos_id=0, settings=GREEDY)  # the lean loop stops as early
+    assert lean.response_ids.shape == (2, 1) and lean.ended_with_eos.tolist() == [True, True]
 
 
 def test_length_cap_marks_no_eos():

@@ -22,6 +22,7 @@ MODES = {
     "full-separate-value": dict(value_mode="separate"),
     "lora": dict(lora_r=4),
     "lora-value-adapter": dict(lora_r=4, value_mode="lora_adapter"),
+    "lora-merged-generation": dict(lora_r=4, lora_merge_generation=True),
 }
 
 
@@ -58,6 +59,52 @@ def test_first_minibatch_has_ratio_exactly_one_and_kl_exactly_zero(policy_dir, m
     logprobs = selective_log_softmax(logits, rollout.response_ids, cfg.temperature)
     ratio = torch.exp(logprobs - rollout.logprobs)[mask]
     assert torch.equal(ratio, torch.ones_like(ratio))
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_kept_rollout_forward_is_the_training_forward(policy_dir, mode):
+    """keep_graph: the rollout's own forward (kept for the first PPO step) gives exactly the numbers
+    a fresh training forward and a keep_graph=False rollout give."""
+    cfg = tiny_cfg(policy_dir, **MODES[mode])
+    roles, tokenizer = build_roles(cfg)
+    plain, _ = rollout_for(cfg, roles, tokenizer)
+    items = tasks.build_splits(0, 22, 11, 11)["train"][:8]
+    prompts = data.encode_prompts(tokenizer, [i.prompt for i in items])
+    kept = collect_rollout(roles, prompts, pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id,
+                           settings=GenerationSettings(cfg.response_length, True, cfg.temperature),
+                           generator=torch.Generator().manual_seed(0), keep_graph=True)
+    assert plain.policy_forward is None and kept.policy_forward is not None
+    for name in ("response_ids", "logprobs", "ref_logprobs", "values", "entropy"):
+        assert torch.equal(getattr(kept, name), getattr(plain, name)), name
+    logits, values = kept.policy_forward
+    assert logits.requires_grad and values.requires_grad
+    roles.train(True)
+    fresh_logits, fresh_values = roles.logits_and_values(kept.query_ids, kept.query_mask, kept.response_ids,
+                                                         kept.response_mask)
+    assert torch.equal(logits, fresh_logits) and torch.equal(values, fresh_values)
+
+
+def test_reusing_the_rollout_forward_trains_the_same_policy(policy_dir, tmp_path):
+    """One minibatch, one epoch: with and without the reuse, the same updates (up to summation order)."""
+    runs = {}
+    for reuse in (True, False):
+        cfg = tiny_cfg(policy_dir, num_mini_batches=1, num_ppo_epochs=1, reuse_rollout_forward=reuse,
+                       output_dir=str(tmp_path / f"reuse-{reuse}"), save_every=0)
+        result = ppo.train(cfg)
+        rows = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+        runs[reuse] = (models.load_causal_lm(str(result.model_dir)), [r for r in rows if "val/ratio" in r])
+        walls = result.summary["wall_time_s"]  # the loop is timed apart from loading, evaluations and saving
+        assert set(walls) == {"setup", "loop", "evaluation", "save", "total"}
+        assert all(v >= 0 for v in walls.values()) and walls["loop"] > 0
+        assert walls["setup"] + walls["loop"] + walls["evaluation"] + walls["save"] <= walls["total"] + 1e-3
+        updates = [r for r in rows if "time/generation" in r]
+        phases = sum(r["time/generation"] + r["time/scoring"] + r["time/training"] for r in updates)
+        assert phases <= walls["loop"] + 1e-3
+    (a, rows_a), (b, rows_b) = runs[True], runs[False]
+    for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
+        assert torch.allclose(pa, pb, atol=1e-6), name
+    assert [r["val/ratio"] for r in rows_a] == [1.0] * len(rows_a)  # the reused forward: ratio exactly 1
+    assert [r["response/length_mean"] for r in rows_a] == [r["response/length_mean"] for r in rows_b]
 
 
 def test_lora_reference_equals_a_separately_loaded_base_after_training(policy_dir):
@@ -267,3 +314,12 @@ def test_a_run_that_ends_below_its_best_saves_the_best_policy(policy_dir, tmp_pa
     saved = saved_policy(result)
     assert all(torch.equal(saved[k], policies[1][k]) for k in saved)
     assert any(not torch.equal(saved[k], policies[2][k]) for k in saved)
+
+
+def test_configure_allocator_applies_only_when_asked():
+    import platform
+
+    from rlhflab.trainers.setup import configure_allocator
+
+    assert configure_allocator(0) is False
+    assert configure_allocator(1) is (platform.libc_ver()[0] == "glibc")

@@ -3,8 +3,10 @@
 Imports torch, transformers, peft, tokenizers, safetensors and `rlhflab.errors` only.
 """
 
+from rlhflab.models.lean import lean_hidden, plan_lean
 from rlhflab.models.load import count_parameters, disable_dropout, load_causal_lm, load_tokenizer
-from rlhflab.models.lora import adapter_values, adapters_off, add_value_adapter, apply_lora, trainable_parameters, use_adapter
+from rlhflab.models.lora import adapter_values, adapters_off, add_value_adapter, apply_lora, merged_adapter
+from rlhflab.models.lora import trainable_parameters, use_adapter
 from rlhflab.models.reward import build_random_reward_model, build_reward_model_from_causal, load_reward_model
 from rlhflab.models.reward import last_real_index, sequence_scores
 from rlhflab.models.tiny_model import TINY_ARCHITECTURES, TinySizes, build_tiny_model, save_model_folder
@@ -15,7 +17,8 @@ __all__ = [
     "EOS_TOKEN", "PAD_TOKEN", "TINY_ARCHITECTURES", "TinySizes", "ValueHead", "ValueModel",
     "adapter_values", "adapters_off", "add_value_adapter", "apply_lora", "build_random_reward_model",
     "build_reward_model_from_causal", "build_tiny_model", "build_tokenizer", "count_parameters",
-    "disable_dropout", "last_hidden_state", "last_real_index", "load_causal_lm", "load_reward_model",
-    "load_tokenizer", "save_model_folder", "sequence_scores", "template_words", "trainable_parameters",
+    "disable_dropout", "last_hidden_state", "lean_hidden", "last_real_index", "load_causal_lm", "load_reward_model",
+    "merged_adapter",
+    "load_tokenizer", "plan_lean", "save_model_folder", "sequence_scores", "template_words", "trainable_parameters",
     "use_adapter",
 ]

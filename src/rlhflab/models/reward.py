@@ -19,6 +19,7 @@ from transformers.utils import logging as hf_logging
 from transformers import AutoModelForSequenceClassification, PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhflab.errors import UserInputError
+from rlhflab.models.lean import lean_hidden, plan_lean
 from rlhflab.models.load import DTYPES, _check_exists, _not_found, read_model_config, load_tokenizer
 from rlhflab.models.tiny_model import build_tiny_model
 from rlhflab.models.value import _is_reward_model, init_scalar_head
@@ -149,14 +150,15 @@ def _unwrap(model: nn.Module) -> nn.Module:
     return get_base() if callable(get_base) else model
 
 
-def sequence_scores(reward_model: nn.Module, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+def sequence_scores(reward_model: nn.Module, input_ids: Tensor, attention_mask: Tensor, lean: bool = False) -> Tensor:
     """(B, L) ids and mask -> (B,) scores read at each row's last real token, any padding side.
 
     Decoder classifiers (a `score` layer on a base model): the trunk runs with explicit
     position_ids = cumsum(mask) - 1 (clamped at 0), so a left-padded row is positioned
     as if unpadded, and `score` is applied at the gathered last real position. Other
     models (BERT-like encoders pooling at position 0) get a right-padded batch and
-    `logits[:, 0]`.
+    `logits[:, 0]`. `lean` (no grad, eval mode, Llama layout): the trunk runs as
+    `models.lean.lean_hidden`, the same math with less overhead (PPO's reward scoring).
     """
     model = _unwrap(reward_model)
     mask = attention_mask.long()
@@ -164,9 +166,13 @@ def sequence_scores(reward_model: nn.Module, input_ids: Tensor, attention_mask: 
     trunk = model.base_model
     if isinstance(score, nn.Module) and trunk is not model:
         position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
-        hidden = trunk(
-            input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=False
-        ).last_hidden_state  # (B, L, H)
+        plan = plan_lean(model) if lean and not torch.is_grad_enabled() else None
+        if plan is not None:
+            hidden = lean_hidden(plan, input_ids, mask, position_ids)
+        else:
+            hidden = trunk(
+                input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=False
+            ).last_hidden_state  # (B, L, H)
         rows = torch.arange(input_ids.shape[0], device=input_ids.device)
         last = hidden[rows, last_real_index(mask)]  # (B, H)
         return score(last)[:, 0]

@@ -69,7 +69,7 @@ class ModelReward:
             length = max(map(len, chunk))  # right padding
             ids = torch.tensor([row + [pad] * (length - len(row)) for row in chunk], device=device)
             mask = torch.tensor([[1] * len(row) + [0] * (length - len(row)) for row in chunk], device=device)
-            raw.append(sequence_scores(self.reward_model, ids, mask).float().cpu())
+            raw.append(sequence_scores(self.reward_model, ids, mask, lean=True).float().cpu())
         scores = torch.cat(raw) if raw else torch.zeros(0)
         return scored((scores - self.shift) / self.scale, torch.ones_like(scores, dtype=torch.bool))
 

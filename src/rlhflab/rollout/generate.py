@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from rlhflab.data import left_pad, position_ids_from_mask
+from rlhflab.models.lean import LeanDecoder, plan_lean_decode
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,10 @@ def next_tokens(logits: Tensor, settings: GenerationSettings, generator: torch.G
     if generator is not None and generator.device.type != probs.device.type:
         # a CPU generator with a GPU model: sample on the CPU (slower, but reproducible)
         return torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(probs.device)
-    return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
+    # torch.multinomial(probs, 1) without its input checks (a max, a min and a sync per step):
+    # the same exponential race, argmax(probs / Exp(1)), so the same tokens from the same generator
+    race = torch.empty_like(probs).exponential_(generator=generator)
+    return torch.div(probs, race, out=race).argmax(dim=-1)
 
 
 def cache_argument(model: torch.nn.Module) -> str:
@@ -82,40 +86,54 @@ def generate(
     eos_id: int,
     settings: GenerationSettings,
     generator: torch.Generator | None = None,
+    lean: bool = True,
 ) -> Generated:
-    """Sample (or greedily decode) a response for every prompt, with a KV cache."""
+    """Sample (or greedily decode) a response for every prompt, with a KV cache.
+
+    `lean`: run Llama-layout models through `models.lean.LeanDecoder` (same weights and math,
+    less per-step overhead); other models always use their own forward.
+    """
     device = next(model.parameters()).device
     query_ids, query_mask = (t.to(device) for t in left_pad(prompts, pad_id))
     batch = query_ids.shape[0]
     attention = query_mask.long()
     positions = position_ids_from_mask(attention)
-    out = model(input_ids=query_ids, attention_mask=attention, position_ids=positions, use_cache=True, logits_to_keep=1)
-    cache_kw = cache_argument(model)
-    cache = returned_cache(out)
-    last_position = positions[:, -1:]
+    logits, step = prefill(model, query_ids, query_mask, positions, settings.max_new_tokens, lean)
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
     tokens: list[Tensor] = []
     for _ in range(settings.max_new_tokens):
-        token = next_tokens(out.logits[:, -1, :], settings, generator)
-        token = torch.where(finished, torch.full_like(token, pad_id), token)
+        token = next_tokens(logits, settings, generator).masked_fill(finished, pad_id)
         tokens.append(token)
-        finished = finished | (token == eos_id)
+        finished |= token == eos_id
         if bool(finished.all()):
             break
-        attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=1)
-        last_position = last_position + 1
-        out = model(
-            input_ids=token.unsqueeze(1),
-            attention_mask=attention,
-            position_ids=last_position,
-            use_cache=True,
-            **{cache_kw: cache},
-        )
-        cache = returned_cache(out)
+        logits = step(token)
     response_ids = torch.stack(tokens, dim=1)  # (B, T)
     response_mask = response_mask_after_eos(response_ids, eos_id)
     response_ids = response_ids.masked_fill(~response_mask, pad_id)
     return Generated(query_ids, query_mask.bool(), response_ids, response_mask, finished)
+
+
+def prefill(model, query_ids: Tensor, query_mask: Tensor, positions: Tensor, max_new_tokens: int, lean: bool):
+    """Run the prompts: (B, V) logits for the first new token, and a function (B,) token -> next (B, V) logits."""
+    plan = plan_lean_decode(model) if lean else None
+    if plan is not None:
+        decoder = LeanDecoder(plan, query_ids, query_mask, positions, max_new_tokens)
+        return decoder.logits, decoder.step
+    attention = query_mask.long()
+    out = model(input_ids=query_ids, attention_mask=attention, position_ids=positions, use_cache=True, logits_to_keep=1)
+    cache_kw = cache_argument(model)
+    state = {"cache": returned_cache(out), "attention": attention, "position": positions[:, -1:]}
+
+    def hf_step(token: Tensor) -> Tensor:
+        state["attention"] = torch.cat([state["attention"], torch.ones_like(state["attention"][:, :1])], dim=1)
+        state["position"] = state["position"] + 1
+        out = model(input_ids=token.unsqueeze(1), attention_mask=state["attention"], position_ids=state["position"],
+                    use_cache=True, **{cache_kw: state["cache"]})
+        state["cache"] = returned_cache(out)
+        return out.logits[:, -1, :]
+
+    return out.logits[:, -1, :], hf_step
 
 
 def response_mask_after_eos(response_ids: Tensor, eos_id: int) -> Tensor:

@@ -43,6 +43,8 @@ class PolicyRoles:
         reference: torch.nn.Module | None = None,
         load_reference: Callable[[], torch.nn.Module] | None = None,
         lora: bool = False,
+        merge_lora_for_generation: bool = False,
+        lean: bool = True,
     ):
         self.policy = policy
         self.value_mode = value_mode
@@ -51,6 +53,8 @@ class PolicyRoles:
         self.reference = reference
         self.load_reference = load_reference
         self.lora = lora
+        self.merge_lora_for_generation = lora and merge_lora_for_generation
+        self.lean = lean  # policy / reference forwards through models.lean where the model allows it
         for module in (policy, value_model, reference):
             if module is not None:
                 models.disable_dropout(module)
@@ -73,24 +77,40 @@ class PolicyRoles:
 
     def train(self, mode: bool = True) -> None:
         for module in self.modules():
-            module.train(mode)
+            if module.training != mode:  # Module.train walks every submodule: ~1 ms a call on the demo model
+                module.train(mode)
 
     # --- forward passes ----------------------------------------------------------------
 
+    def generation_weights(self):
+        """Context for sampling: LoRA merged into temporary weight copies when asked (models.merged_adapter)."""
+        return models.merged_adapter(self.policy) if self.merge_lora_for_generation else nullcontext()
+
     def _policy_adapter(self):
         return models.use_adapter(self.policy, "default") if self.value_mode == "lora_adapter" else nullcontext()
+
+    def _lm(self, model, input_ids, attention, positions, keep: int, hidden: bool) -> tuple[Tensor, Tensor | None]:
+        """(B, keep, V) logits of the last `keep` positions and, if asked, (B, L, H) final hidden states:
+        from `models.lean` for a Llama-layout model (same math, less overhead), else the model's forward."""
+        plan = models.plan_lean(model, allow_training=True) if self.lean else None
+        if plan is not None and plan.lm_head is not None:
+            states = models.lean_hidden(plan, input_ids, attention, positions)
+            return plan.lm_head(states[:, -keep:]), states if hidden else None
+        out = model(input_ids=input_ids, attention_mask=attention, position_ids=positions,
+                    output_hidden_states=hidden, logits_to_keep=keep)
+        return out.logits, out.hidden_states[-1] if hidden else None
 
     def policy_forward(self, query_ids, query_mask, response_ids, response_mask) -> tuple[Tensor, Tensor | None]:
         """Logits predicting each response token (B, T, V) and, for a shared trunk, values (B, T)."""
         input_ids, attention, positions = joined(query_ids, query_mask, response_ids, response_mask)
         start = query_ids.shape[1] - 1
+        keep = response_ids.shape[1] + 1  # the LM head runs on the last prompt position and the responses only
         with self._policy_adapter():
-            out = self.policy(input_ids=input_ids, attention_mask=attention, position_ids=positions,
-                              output_hidden_states=self.value_mode == "shared")
-        logits = out.logits[:, start:-1]
+            logits, hidden = self._lm(self.policy, input_ids, attention, positions, keep, self.value_mode == "shared")
+        logits = logits[:, -keep:-1]
         if self.value_mode != "shared":
             return logits, None
-        values = self.value_head(out.hidden_states[-1][:, start:-1])
+        values = self.value_head(hidden[:, start:-1])
         return logits, values
 
     def values(self, query_ids, query_mask, response_ids, response_mask) -> Tensor:
@@ -113,12 +133,12 @@ class PolicyRoles:
     def reference_logprobs(self, query_ids, query_mask, response_ids, response_mask, temperature: float) -> Tensor:
         """log pi_ref(a_t|s_t) for every response token (B, T), computed once per rollout."""
         input_ids, attention, positions = joined(query_ids, query_mask, response_ids, response_mask)
-        start = query_ids.shape[1] - 1
+        keep = response_ids.shape[1] + 1  # the LM head runs on the last prompt position and the responses only
         if self.lora:
             with models.adapters_off(self.policy):
-                logits = self.policy(input_ids=input_ids, attention_mask=attention, position_ids=positions).logits
+                logits, _ = self._lm(self.policy, input_ids, attention, positions, keep, False)
         else:
             reference = self.reference if self.reference is not None else self.load_reference()
-            logits = reference(input_ids=input_ids, attention_mask=attention, position_ids=positions).logits
+            logits, _ = self._lm(reference, input_ids, attention, positions, keep, False)
             del reference  # with reference_mode=reload nothing keeps it alive after this call
-        return selective_log_softmax(logits[:, start:-1], response_ids, temperature)
+        return selective_log_softmax(logits[:, -keep:-1], response_ids, temperature)

@@ -25,6 +25,9 @@ class Rollout:
     entropy: Tensor  # (B, T) policy entropy at each response position; 0 where masked
     ended_with_eos: Tensor  # (B,) bool, False when the response hit the length cap
     seconds: dict  # wall time of "generation" and "forward" (old log-probs, reference, values)
+    # with keep_graph: the policy forward's (B, T, V) logits and (B, T) values, autograd graph attached,
+    # which ARE the first training forward when one minibatch holds the whole rollout (ppo_epochs)
+    policy_forward: tuple[Tensor, Tensor] | None = None
 
     @property
     def batch_size(self) -> int:
@@ -40,19 +43,33 @@ def collect_rollout(
     eos_id: int,
     settings: GenerationSettings,
     generator: torch.Generator | None = None,
+    keep_graph: bool = False,
 ) -> Rollout:
     """Generate responses, then recompute old log-probs and values with one forward pass.
 
     Old log-probs come from a forward pass over the finished sequences rather than
     from the sampling loop, so they match the training forward exactly and the
     first minibatch of the first epoch has ratio == 1 (DESIGN.md).
+
+    `keep_graph`: run that forward in training mode with autograd on and keep it in
+    `policy_forward`, so the first PPO step reuses it instead of repeating it (the same
+    weights and inputs give the same numbers). Costs its activations' memory during scoring.
     """
     roles.train(False)
     started = time.time()
-    out = generate(roles.policy, prompts, pad_id=pad_id, eos_id=eos_id, settings=settings, generator=generator)
+    with roles.generation_weights():
+        out = generate(roles.policy, prompts, pad_id=pad_id, eos_id=eos_id, settings=settings, generator=generator)
     generated = time.time()
     q_ids, q_mask, r_ids, r_mask = out.query_ids, out.query_mask, out.response_ids, out.response_mask
-    logits, values = roles.logits_and_values(q_ids, q_mask, r_ids, r_mask)
+    kept = None
+    if keep_graph:
+        roles.train(True)
+        with torch.enable_grad():
+            kept = roles.logits_and_values(q_ids, q_mask, r_ids, r_mask)
+        roles.train(False)
+        logits, values = (t.detach() for t in kept)
+    else:
+        logits, values = roles.logits_and_values(q_ids, q_mask, r_ids, r_mask)
     logprobs = selective_log_softmax(logits, r_ids, settings.temperature)
     entropy = entropy_from_logits(logits, settings.temperature)
     ref_logprobs = roles.reference_logprobs(q_ids, q_mask, r_ids, r_mask, settings.temperature)
@@ -68,4 +85,5 @@ def collect_rollout(
         entropy=torch.where(r_mask, entropy, zero),
         ended_with_eos=out.ended_with_eos,
         seconds={"generation": generated - started, "forward": time.time() - generated},
+        policy_forward=kept,
     )

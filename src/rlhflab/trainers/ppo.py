@@ -43,7 +43,8 @@ from rlhflab.trainers.ppo_save import save_ppo_models
 from rlhflab.trainers.ppo_setup import build_reward, build_roles, check_ppo_config
 from rlhflab.trainers.nonfinite import clip_and_step
 from rlhflab.trainers.ppo_state import PPOProgress, pack_ppo, unpack_ppo
-from rlhflab.trainers.setup import configure_threads, make_optimizer, make_scheduler, seed_everything
+from rlhflab.trainers.setup import configure_allocator, configure_threads, make_optimizer, make_scheduler
+from rlhflab.trainers.setup import seed_everything
 
 log = logging.getLogger("rlhflab")
 
@@ -76,10 +77,17 @@ def token_rewards(scores, kl, response_mask, kl_coef: float) -> tuple[torch.Tens
     return torch.where(response_mask, rewards, torch.zeros_like(rewards)), non_score
 
 
-def minibatch_losses(roles, rollout: Rollout, idx, advantages, returns, cfg: PPOConfig, weight: float):
-    """Loss of one (micro-)batch, scaled by its share of the minibatch's real tokens."""
+def minibatch_losses(roles, rollout: Rollout, idx, advantages, returns, cfg: PPOConfig, weight: float,
+                     forward: tuple | None = None):
+    """Loss of one (micro-)batch, scaled by its share of the minibatch's real tokens.
+
+    `forward`: the rollout's own policy forward over all rows (`Rollout.policy_forward`), used
+    instead of running it again when the weights have not changed since."""
     q, qm, r, rm = (t[idx] for t in (rollout.query_ids, rollout.query_mask, rollout.response_ids, rollout.response_mask))
-    logits, values = roles.logits_and_values(q, qm, r, rm)
+    if forward is not None:
+        logits, values = forward[0][idx], forward[1][idx]
+    else:
+        logits, values = roles.logits_and_values(q, qm, r, rm)
     logprobs = selective_log_softmax(logits, r, cfg.temperature)
     pg_loss, pg_stats = ppo_policy_loss(logprobs, rollout.logprobs[idx], advantages[idx], rm, cfg.cliprange)
     vf_loss, vf_stats = clipped_value_loss(values.float(), rollout.values[idx], returns[idx], rm, cfg.cliprange_value)
@@ -107,6 +115,8 @@ def ppo_epochs(roles, optimizer, scheduler, rollout: Rollout, advantages, return
     micro = max(1, math.ceil(mb_size / cfg.gradient_accumulation_steps))
     history: list[dict] = []
     skipped = 0
+    # the rollout's forward is the first step's forward only if that step sees every row at the rollout's weights
+    reuse = rollout.policy_forward if micro >= batch else None
     for _ in range(cfg.num_ppo_epochs):
         order = torch.randperm(batch, generator=generator)
         for start in range(0, batch, mb_size):
@@ -116,7 +126,8 @@ def ppo_epochs(roles, optimizer, scheduler, rollout: Rollout, advantages, return
             for m_start in range(0, mb_size, micro):
                 idx = mb_idx[m_start : m_start + micro]
                 weight = (rollout.response_mask[idx].sum() / mb_tokens).item()
-                loss, stats = minibatch_losses(roles, rollout, idx, advantages, returns, cfg, weight)
+                loss, stats = minibatch_losses(roles, rollout, idx, advantages, returns, cfg, weight, reuse)
+                reuse = None  # its weights are stale after this step
                 if not torch.isfinite(loss):  # no backward through it: this minibatch's step is dropped below
                     loss_value, rows = loss.item(), idx
                     break
@@ -189,6 +200,7 @@ def train(cfg: PPOConfig, run: RunDir | None = None, reward_fn=None, monitor: Mo
     started = time.time()
     check_ppo_config(cfg)
     configure_threads(cfg.threads)
+    configure_allocator(cfg.mmap_threshold_mib)
     seed_everything(cfg.seed, cfg.deterministic)
     roles, tokenizer = build_roles(cfg)
     splits = tasks.build_splits(cfg.split_seed, cfg.num_train_prompts, cfg.num_validation_prompts, cfg.num_test_prompts)
@@ -200,7 +212,7 @@ def train(cfg: PPOConfig, run: RunDir | None = None, reward_fn=None, monitor: Mo
     run, resumed = open_run(cfg, "ppo") if run is None else (run, None)
 
     num_updates = cfg.total_episodes // cfg.batch_size
-    optimizer = make_optimizer(roles.trainable_parameters(), cfg)
+    optimizer = make_optimizer(roles.trainable_parameters(), cfg, fused=True)  # PPO steps every minibatch
     scheduler = make_scheduler(optimizer, cfg, num_updates * cfg.num_ppo_epochs * cfg.num_mini_batches)
     kl_ctl = kl_controller(cfg)
     generator = torch.Generator().manual_seed(cfg.seed)  # prompt order and minibatches
@@ -209,11 +221,17 @@ def train(cfg: PPOConfig, run: RunDir | None = None, reward_fn=None, monitor: Mo
     # Rollouts sample from the full softmax: with top-k / top-p the sampling policy would
     # not be the one whose log-probs PPO uses. top_k / top_p apply to evaluation only.
     settings = GenerationSettings(cfg.response_length, True, cfg.temperature, top_k=0, top_p=1.0)
+    # one minibatch of one micro-batch: the rollout's policy forward is also the first training forward
+    keep_graph = cfg.reuse_rollout_forward and cfg.num_mini_batches == 1 and cfg.gradient_accumulation_steps == 1
     evaluator = PPOEvaluator(splits["validation"], tokenizer, cfg, run)
     watch = RunWatch(monitor, run, roles, cfg.keep_best)
     generators = {"order": generator, "sampler": sampler}
+    # wall time split for summary.json: loading and building, the updates themselves (steps 1-7 up
+    # to logging: what a throughput figure divides by), evaluations, checkpoints + the final save
+    walls = {"setup": time.time() - started, "loop": 0.0, "evaluation": 0.0, "save": 0.0}
     if resumed is None:
         first = evaluator.evaluate(roles.policy, step=0, episode=0)
+        walls["evaluation"] = time.time() - started - walls["setup"]
         watch.observe(0, first)
         progress = PPOProgress(first=first, last_eval=first)
     else:
@@ -236,7 +254,8 @@ def train(cfg: PPOConfig, run: RunDir | None = None, reward_fn=None, monitor: Mo
             items = [train_items[i] for i in batch_ids]
             # 2. rollout: generate, then old / reference log-probs and values in one pass each
             rollout = collect_rollout(roles, [prompt_ids[i] for i in batch_ids], pad_id=tokenizer.pad_token_id,
-                                      eos_id=tokenizer.eos_token_id, settings=settings, generator=sampler)
+                                      eos_id=tokenizer.eos_token_id, settings=settings, generator=sampler,
+                                      keep_graph=keep_graph)
             t1 = time.time()
             # 3. scores, with the missing-EOS penalty; rows the reward failed on are masked out
             scores, valid = score_rollout(rollout, reward_fn, tokenizer, items, cfg.missing_eos_penalty)
@@ -259,7 +278,9 @@ def train(cfg: PPOConfig, run: RunDir | None = None, reward_fn=None, monitor: Mo
                 raise FloatingPointError(f"PPO update {update}: non-finite advantages "
                                          f"({_rows(bad_rows.nonzero().flatten().tolist(), batch_ids)}); "
                                          "no checkpoint written after it")
-            masked_rollout = rollout if bool(valid.all()) else dataclasses.replace(rollout, response_mask=mask)
+            # a changed mask changes the attention of the training forward: the rollout's forward is not reused
+            masked_rollout = rollout if bool(valid.all()) else dataclasses.replace(rollout, response_mask=mask,
+                                                                                  policy_forward=None)
             stats = {"skipped": cfg.num_ppo_epochs * cfg.num_mini_batches} if bad_rows.any() else ppo_epochs(
                 roles, optimizer, scheduler, masked_rollout, advantages, returns, cfg, generator, update, batch_ids)
             skipped += stats.pop("skipped")
@@ -281,28 +302,36 @@ def train(cfg: PPOConfig, run: RunDir | None = None, reward_fn=None, monitor: Mo
             run.log(last, step=update)
             watch.observe(update, last)
             done = update
+            t4 = time.time()
+            walls["loop"] += t4 - t0
             if (cfg.eval_every and update % cfg.eval_every == 0) or update == num_updates:
                 last_eval = evaluator.evaluate(roles.policy, step=update, episode=episode)
                 watch.observe(update, last_eval)
                 bar.set_postfix(pass_rate=f"{last_eval['val/pass_rate']:.2f}", kl=f"{last['objective/kl']:.2f}",
                                 score=f"{last['objective/scores']:.2f}")
+            t5 = time.time()
+            walls["evaluation"] += t5 - t4
             # 8. the monitor's stopping rule (validation patience, or an alarm listed in stop_on_alarms)
             if watch.should_stop(update, episode):
                 break
             # 9. checkpoint when due, or when SIGINT / SIGTERM asked (then raises Interrupted)
             saver.step_done(update, pack)
+            walls["save"] += time.time() - t5
 
+        t6 = time.time()
         finished = True
         saver.finish(done, pack)  # before the best policy may be restored: a resume continues from `done`
 
     monitored = watch.finish(done, last_eval["val/pass_rate"])  # restores the best policy when it should
     model_dir = save_ppo_models(roles, tokenizer, run.path)
+    walls["save"] += time.time() - t6
     summary = run.update_summary(
         stage="ppo", reward=cfg.reward, reward_normalisation=normalisation, updates=done, episodes=episode,
         validation_pass_rate={"start": first["val/pass_rate"], "end": last_eval["val/pass_rate"]},
         final={k: last[k] for k in ("objective/kl", "objective/scores", "objective/rlhf_reward", "eps",
                                     "response/length_mean", "kl_coef")},
-        wall_time_s={"ppo": round(time.time() - started, 1)}, model_dir=str(model_dir), **monitored,
+        wall_time_s={**{k: round(v, 3) for k, v in walls.items()}, "total": round(time.time() - started, 3)},
+        model_dir=str(model_dir), **monitored,
         nonfinite={"mode": cfg.nonfinite, "skipped_updates": skipped},
     )
     run.close()

@@ -88,7 +88,8 @@ def build_roles(cfg: PPOConfig) -> tuple[PolicyRoles, object]:
         # 0.57 to 0.40 in the first 10 updates; with a zero head it rose to 0.60-0.66 instead.
         torch.nn.init.zeros_(value_head.summary.weight)
     roles = PolicyRoles(policy, value_mode=cfg.value_mode, value_head=value_head, value_model=value_model,
-                        reference=reference, load_reference=load_reference, lora=lora)
+                        reference=reference, load_reference=load_reference, lora=lora,
+                        merge_lora_for_generation=cfg.lora_merge_generation)
     return roles, tokenizer
 
 

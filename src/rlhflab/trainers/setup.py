@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
+import platform
 import random
 
 import numpy as np
@@ -25,6 +27,22 @@ def configure_threads(threads: int) -> int:
     count = threads if threads > 0 else (os.cpu_count() or 1)
     torch.set_num_threads(count)
     return count
+
+
+def configure_allocator(mmap_threshold_mib: int) -> bool:
+    """glibc only: serve every allocation of at least this many MiB by mmap (returned to the OS on
+    free) instead of the heap. glibc's default threshold grows with the largest block freed (up to
+    32 MiB), after which big, short-lived activation tensors come from a heap that keeps its high
+    water mark: at ~25M parameters that was ~300 MiB of PPO's peak RSS (benchmarks/RESULTS.md).
+    Process-wide; 0 leaves malloc alone. Returns whether it was applied."""
+    if mmap_threshold_mib <= 0 or platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    m_mmap_threshold = -3  # <malloc.h>; setting it also switches off the dynamic threshold
+    return bool(libc.mallopt(m_mmap_threshold, int(mmap_threshold_mib) << 20))
 
 
 def resolve_device(name: str) -> torch.device:
@@ -80,13 +98,16 @@ def load_or_build_policy(cfg) -> tuple[torch.nn.Module, object]:
     return model, tokenizer
 
 
-def make_optimizer(params, cfg) -> torch.optim.Optimizer:
+def make_optimizer(params, cfg, fused: bool = False) -> torch.optim.Optimizer:
+    """AdamW on the trainable parameters. `fused`: torch's one-kernel AdamW (same update, other rounding
+    order): 0.6 ms instead of 3.5 ms a step for the demo model's 29 tensors on one CPU thread."""
     return torch.optim.AdamW(
         [p for p in params if p.requires_grad],
         lr=cfg.learning_rate,
         betas=(cfg.adam_beta1, cfg.adam_beta2),
         eps=cfg.adam_eps,
         weight_decay=cfg.weight_decay,
+        **({"fused": True} if fused else {}),
     )
 
 

@@ -1,0 +1,113 @@
+"""The lean forward and decode step (models/lean.py) against the model's own forward."""
+
+import pytest
+import torch
+
+from rlhflab.rollout import GenerationSettings, generate
+from rlhflab.models.lean import LeanDecoder, lean_hidden, plan_lean, plan_lean_decode
+
+from tinyhf import EOS, PAD, build
+
+PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12], [13, 14, 15]]  # left padding of 0, 4 and 3 tokens
+GREEDY = GenerationSettings(max_new_tokens=10, do_sample=False)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_lean_greedy_tokens_equal_the_hf_loop(arch):
+    model = build(arch)
+    assert plan_lean_decode(model) is not None
+    lean = generate(model, PROMPTS, pad_id=PAD, eos_id=EOS, settings=GREEDY, lean=True)
+    hf = generate(model, PROMPTS, pad_id=PAD, eos_id=EOS, settings=GREEDY, lean=False)
+    assert torch.equal(lean.response_ids, hf.response_ids)
+    assert torch.equal(lean.response_mask, hf.response_mask)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_lean_prefill_and_steps_match_the_model_forward(arch):
+    """The prefill's logits and each decode step's equal a full forward over prompt + tokens so far."""
+    from rlhflab.data import left_pad, position_ids_from_mask
+
+    model = build(arch)
+    ids, mask = left_pad(PROMPTS, PAD)
+    attention = mask.long()
+    positions = position_ids_from_mask(attention)
+    with torch.no_grad():
+        decoder = LeanDecoder(plan_lean_decode(model), ids, mask, positions, 4)
+        full = model(input_ids=ids, attention_mask=attention, position_ids=positions).logits[:, -1]
+        assert torch.allclose(decoder.logits, full, atol=1e-5)
+        tokens = torch.tensor([[20, 21, 22, 23]] * len(PROMPTS))
+        for t in range(4):
+            lean_logits = decoder.step(tokens[:, t])
+            full_ids = torch.cat([ids, tokens[:, : t + 1]], dim=1)
+            full_mask = torch.cat([attention, torch.ones_like(tokens[:, : t + 1])], dim=1)
+            full = model(input_ids=full_ids, attention_mask=full_mask,
+                         position_ids=position_ids_from_mask(full_mask)).logits[:, -1]
+            assert torch.allclose(lean_logits, full, atol=1e-5), (t, (lean_logits - full).abs().max())
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_lean_hidden_matches_the_model_on_real_positions(arch):
+    from rlhflab.data import left_pad, position_ids_from_mask
+
+    model = build(arch)
+    ids, mask = left_pad([[5, 6, 7, 1, 0, 0], [11, 12, 13, 14, 15, 16]], PAD)
+    mask = mask.bool()
+    mask[0, 4:] = False  # padding after EOS inside the row, as in a rollout
+    positions = position_ids_from_mask(mask.long())
+    with torch.no_grad():
+        hf = model(input_ids=ids, attention_mask=mask.long(), position_ids=positions,
+                   output_hidden_states=True).hidden_states[-1]
+        lean = lean_hidden(plan_lean(model), ids, mask, positions)
+    assert torch.allclose(lean[mask], hf[mask], atol=1e-5)
+    assert torch.isfinite(lean).all()
+
+
+def test_lean_sampling_equals_the_hf_loop_with_the_same_generator():
+    model = build("llama")
+    settings = GenerationSettings(max_new_tokens=8, do_sample=True, temperature=0.7)
+    a = generate(model, PROMPTS, pad_id=PAD, eos_id=EOS, settings=settings, generator=torch.Generator().manual_seed(0))
+    b = generate(model, PROMPTS, pad_id=PAD, eos_id=EOS, settings=settings, generator=torch.Generator().manual_seed(0),
+                 lean=False)
+    assert torch.equal(a.response_ids, b.response_ids)
+
+
+def test_models_without_the_llama_layout_keep_their_own_forward():
+    assert plan_lean_decode(build("gpt2")) is None
+    model = build("llama").train()  # dropout would be skipped by the lean step
+    assert plan_lean_decode(model) is None
+
+
+def test_an_active_lora_adapter_is_not_skipped():
+    from rlhflab.models import apply_lora
+
+    model = apply_lora(build("llama"), r=4, alpha=8, target_modules=["q_proj", "v_proj", "up_proj"])
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0.0, 0.5)  # B starts at zero: make the adapter change the output
+    model.eval()
+    lean = generate(model, PROMPTS, pad_id=PAD, eos_id=EOS, settings=GREEDY, lean=True)
+    hf = generate(model, PROMPTS, pad_id=PAD, eos_id=EOS, settings=GREEDY, lean=False)
+    with model.disable_adapter():
+        base = generate(model, PROMPTS, pad_id=PAD, eos_id=EOS, settings=GREEDY, lean=False)
+    assert torch.equal(lean.response_ids, hf.response_ids)
+    assert not torch.equal(hf.response_ids, base.response_ids)  # the adapter does change the answer
+
+
+def test_lean_reward_scores_equal_the_model_forward():
+    from transformers import AutoModelForSequenceClassification
+
+    from rlhflab.models import sequence_scores
+    from tinyhf import CONFIGS
+
+    torch.manual_seed(0)
+    config = CONFIGS["llama"]()
+    config.num_labels = 1
+    reward_model = AutoModelForSequenceClassification.from_config(config).eval()
+    assert plan_lean(reward_model) is not None and plan_lean(reward_model).lm_head is None
+    ids = torch.tensor([[5, 6, 7, 1, 0, 0], [11, 12, 13, 14, 15, 1]])
+    mask = ids != 0
+    with torch.no_grad():
+        lean = sequence_scores(reward_model, ids, mask, lean=True)
+        hf = sequence_scores(reward_model, ids, mask)
+    assert torch.allclose(lean, hf, atol=1e-5)
