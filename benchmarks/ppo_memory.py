@@ -19,12 +19,13 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse  # noqa: E402
 import json  # noqa: E402
-import resource  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
+
+from peak_rss import rss_mib  # noqa: E402
 
 MODES = {
     "full, reference resident": {},
@@ -39,17 +40,6 @@ SIZES = {
 }
 
 
-def rss_mib() -> float:
-    """Peak RSS of this process in MiB: VmHWM, the high-water mark of its own memory map. Not
-    ru_maxrss: on Linux a child started by fork + exec inherits the parent's ru_maxrss, so it
-    would read at least the (large) driver process's RSS."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024  # kB
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
 def build_model(size: str, folder: Path) -> int:

@@ -26,13 +26,14 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch is imported 
 import argparse  # noqa: E402
 import json  # noqa: E402
 import platform  # noqa: E402
-import resource  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
+
+from peak_rss import rss_mib  # noqa: E402
 
 from bench_assets import CACHE, Assets, child_env, prepare  # noqa: E402
 
@@ -51,17 +52,6 @@ CONFIGS = {
 VARIANTS = ("rlhflab", "trl", "trl_no_gc")
 
 
-def rss_mib() -> float:
-    """Peak RSS of this process in MiB: VmHWM, the high-water mark of its own memory map. Not
-    ru_maxrss: on Linux a child started by fork + exec inherits the parent's ru_maxrss, so it
-    would read at least the (large) driver process's RSS."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024  # kB
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
 # --- the rlhflab child ----------------------------------------------------------------------

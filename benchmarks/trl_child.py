@@ -19,22 +19,12 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch is imported 
 import argparse  # noqa: E402
 import gc  # noqa: E402
 import json  # noqa: E402
-import resource  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+from peak_rss import rss_mib  # noqa: E402
 
-def rss_mib() -> float:
-    """Peak RSS of this process in MiB: VmHWM, the high-water mark of its own memory map. Not
-    ru_maxrss: on Linux a child started by fork + exec inherits the parent's ru_maxrss, so it
-    would read at least the (large) driver process's RSS."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024  # kB
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
 
 
 def count_response_tokens(counter: dict) -> None:
