@@ -38,7 +38,8 @@ def sft_args(out):
 
 def rm_args(policy_dir, out):
     return ["rm", "--model", policy_dir, "--output_dir", str(out), "--pairs_per_prompt", "2", "--batch_size", "4",
-            "--num_epochs", "2", "--log_every", "1", "--save_every", "3", *SUITE]
+            "--num_epochs", "2", "--log_every", "1", "--save_every", "3",
+            "--average_weights", "0.8", *SUITE]  # steps 5-22 averaged: a resume at 6 must carry the mean
 
 
 def train(args: list[str]):

@@ -280,7 +280,11 @@ class RMConfig(CheckpointFields, RunFields, ModelFields, SuiteFields, DataFields
     batch_size: int = arg(32, "pairs per optimiser step")
     length_chunks: int = arg(2, "forward passes per step over the step's sequences sorted by length (less padding, "
                                 "same gradient); 1 = one pass")
+    shared_prefix: bool = arg(True, "score a pair's chosen and rejected in one row that runs their shared prompt once "
+                                    "(Llama / Qwen2 layouts; the same scores, about 40 percent fewer tokens on the suite)")
     margin: float = arg(0.0, "Bradley-Terry margin: -log sigmoid(r_c - r_r - margin)")
+    average_weights: float = arg(0.0, "save the mean of the weights over this last fraction of the steps "
+                                      "(stochastic weight averaging); 0 = the last step's weights")
     center_rewards_coef: float = arg(0.0, "reward-centring penalty coef * (r_c + r_r)^2 (Eisenstein et al. 2023)")
     learning_rate: float = arg(3e-4, "peak AdamW learning rate")
     warmup_steps: int = arg(5, "linear warmup steps")

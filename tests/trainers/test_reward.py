@@ -43,28 +43,34 @@ def test_evaluate_pairs_counts_hand_made_scores(backbone_dir, monkeypatch):
     batch = [reward.TokenizedPair([1], [2], "a", "x"), reward.TokenizedPair([1], [2], "b", "y"),
              reward.TokenizedPair([1], [2], "b", "x")]
     fake = iter([(torch.tensor([2.0, 0.0, 1.0]), torch.tensor([1.0, 1.0, 0.0]))])
-    monkeypatch.setattr(reward, "pair_scores", lambda model, pairs, pad, chunks=1: next(fake))
+    monkeypatch.setattr(reward, "pair_scores", lambda model, pairs, pad, chunks=1, shared_prefix=False: next(fake))
     out = reward.evaluate_pairs(torch.nn.Linear(1, 1), batch, pad_id=0)
     assert out["accuracy"] == pytest.approx(2 / 3) and out["margin"] == pytest.approx(1 / 3)
     assert out["per_family"] == {"a": 1.0, "b": 0.5} and out["per_violation"] == {"x": 1.0, "y": 0.0}
 
 
-def test_length_sorted_chunks_give_the_same_scores_and_gradient_as_one_pass(backbone_dir):
+def test_length_sorted_chunks_and_packed_pairs_give_the_same_scores_and_gradient_as_one_pass(backbone_dir):
     tokenizer = models.load_tokenizer(backbone_dir)
     rm = models.build_reward_model_from_causal(backbone_dir, tokenizer)
     rm.config.pad_token_id = tokenizer.pad_token_id
+    models.disable_dropout(rm)
+    rm.train()
+    assert models.can_pack_pairs(rm)
     lengths = [(3, 11), (9, 2), (5, 5), (14, 7), (1, 12)]  # chosen / rejected lengths, unsorted on purpose
-    batch = [reward.TokenizedPair(list(range(4, 4 + c)), list(range(7, 7 + r)), None, None) for c, r in lengths]
+    # rejected shares the chosen's first two tokens (a prompt), except where the chosen is one token long
+    batch = [reward.TokenizedPair(list(range(4, 4 + c)), [4, 5][:c] + list(range(30, 30 + r)), None, None)
+             for c, r in lengths]
     results = []
-    for chunks in (1, 3):
+    for chunks, packed in ((1, False), (3, False), (1, True), (3, True)):
         rm.zero_grad()
-        chosen, rejected = reward.pair_scores(rm, batch, tokenizer.pad_token_id, chunks)
+        chosen, rejected = reward.pair_scores(rm, batch, tokenizer.pad_token_id, chunks, shared_prefix=packed)
         (chosen - 2 * rejected).sum().backward()
         results.append((chosen.detach(), rejected.detach(), rm.score.weight.grad.clone()))
-    (c1, r1, g1), (c3, r3, g3) = results
-    assert torch.allclose(c1, c3, atol=1e-5) and torch.allclose(r1, r3, atol=1e-5)  # each score stays with its pair
+    c1, r1, g1 = results[0]
     assert not torch.allclose(c1, r1)
-    assert torch.allclose(g1, g3, atol=1e-5)
+    for c, r, g in results[1:]:
+        assert torch.allclose(c1, c, atol=1e-5) and torch.allclose(r1, r, atol=1e-5)  # each score stays with its pair
+        assert torch.allclose(g1, g, atol=1e-5)
 
 
 def test_always_kinds_shape_the_training_pairs_only(backbone_dir, tmp_path):

@@ -168,20 +168,27 @@ def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), sin)
 
 
-def lean_hidden(plan: LeanPlan, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor,
-                kv_out: list[tuple[Tensor, Tensor]] | None = None) -> Tensor:
+def causal_allowed(attention_mask: Tensor) -> Tensor:
+    """(B, L) mask -> (B, L, L) bool, query i may read key j: j <= i and j real; a padding query
+    reads itself only, so no row is fully masked (its output is never read)."""
+    length = attention_mask.shape[1]
+    eye = torch.eye(length, dtype=torch.bool, device=attention_mask.device)
+    return (eye.cumsum(0).bool() & attention_mask.bool()[:, None, :]) | eye
+
+
+def lean_hidden(plan: LeanPlan, input_ids: Tensor, attention_mask: Tensor | None, position_ids: Tensor,
+                kv_out: list[tuple[Tensor, Tensor]] | None = None, allowed: Tensor | None = None) -> Tensor:
     """(B, L) ids, mask (True / 1 on real tokens), positions -> (B, L, H) final-norm hidden states
     (HF's `hidden_states[-1]`, what the LM head reads). Differentiable when grad is on.
 
-    Causal attention over real keys; a padding query attends to itself only, so no row is fully
-    masked (its output is never read). `kv_out[i]` = (K, V) buffers (B, H_kv, >= L, D) receive
-    layer i's rotated keys and values (the prefill of `LeanDecoder`).
+    Causal attention over real keys (`causal_allowed`), or the (B, L, L) `allowed` given instead
+    (several continuations of one shared prefix in a row: models.pack_shared_prefix).
+    `kv_out[i]` = (K, V) buffers (B, H_kv, >= L, D) receive layer i's rotated keys and values
+    (the prefill of `LeanDecoder`).
     """
     batch, length = input_ids.shape
     heads, kv_heads, dim = plan.num_heads, plan.num_kv_heads, plan.head_dim
-    eye = torch.eye(length, dtype=torch.bool, device=input_ids.device)
-    allowed = (eye.cumsum(0).bool() & attention_mask.bool()[:, None, :]) | eye  # (B, L, L) lower triangle & real
-    allowed = allowed.unsqueeze(1)
+    allowed = (causal_allowed(attention_mask) if allowed is None else allowed).unsqueeze(1)  # (B, 1, L, L)
     cos, sin = rotary_tables(plan, position_ids)
     h = F.embedding(input_ids, plan.embed)
     for i, layer in enumerate(plan.layers):

@@ -20,6 +20,7 @@ from transformers import AutoModelForSequenceClassification, PreTrainedModel, Pr
 
 from rlhflab.errors import UserInputError
 from rlhflab.models.lean import lean_hidden, plan_lean
+from rlhflab.models.packing import PackedPairs
 from rlhflab.models.load import DTYPES, _check_exists, _not_found, read_model_config, load_tokenizer
 from rlhflab.models.tiny_model import build_tiny_model
 from rlhflab.models.value import _is_reward_model, init_scalar_head
@@ -178,3 +179,27 @@ def sequence_scores(reward_model: nn.Module, input_ids: Tensor, attention_mask: 
         return score(last)[:, 0]
     ids, mask = to_right_padding(input_ids, mask)
     return model(input_ids=ids, attention_mask=mask).logits[:, 0]
+
+
+def can_pack_pairs(reward_model: nn.Module) -> bool:
+    """Whether `packed_pair_scores` can score this model: a decoder classifier (`score` on a base
+    model) whose trunk the lean forward runs (Llama layout; in training mode, no dropout)."""
+    model = _unwrap(reward_model)
+    return isinstance(getattr(model, "score", None), nn.Module) and plan_lean(model, allow_training=True) is not None
+
+
+def packed_pair_scores(reward_model: nn.Module, packed: PackedPairs) -> tuple[Tensor, Tensor]:
+    """(B,) scores of both sequences of each packed row (`models.pack_shared_prefix`), read at
+    each one's last token: one forward over the shared prefix instead of two. Differentiable.
+    Only for models where `can_pack_pairs` holds."""
+    model = _unwrap(reward_model)
+    plan = plan_lean(model, allow_training=True)
+    if plan is None or not isinstance(getattr(model, "score", None), nn.Module):
+        raise ValueError("packed_pair_scores needs a Llama-layout decoder classifier (see can_pack_pairs)")
+    device = plan.embed.device
+    hidden = lean_hidden(plan, packed.input_ids.to(device), None, packed.position_ids.to(device),
+                         allowed=packed.allowed.to(device))  # (B, L, H)
+    rows = torch.arange(hidden.shape[0], device=device)
+    first = model.score(hidden[rows, packed.first_last.to(device)])[:, 0]
+    second = model.score(hidden[rows, packed.second_last.to(device)])[:, 0]
+    return first, second

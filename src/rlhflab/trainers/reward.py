@@ -29,6 +29,7 @@ from rlhflab.rollout import GenerationSettings, generate_answers
 from rlhflab.tracking import RunDir, RunResult
 from rlhflab.trainers.nonfinite import clip_and_step, guarded_step
 from rlhflab.trainers.single_state import pack_single, unpack_single
+from rlhflab.trainers.weight_average import WeightAverage, first_averaged_step
 from rlhflab.trainers.setup import (
     configure_threads,
     make_optimizer,
@@ -152,29 +153,44 @@ def padded_scores(model, seqs: list[list[int]], pad_id: int) -> torch.Tensor:
     return models.sequence_scores(model, ids, mask).float()
 
 
-def pair_scores(model, batch: list[TokenizedPair], pad_id: int, chunks: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scores of chosen and rejected, both (B,), from the 2B sequences.
+def length_groups(lengths: list[int], chunks: int) -> list[list[int]]:
+    """Indices sorted by length, cut into `chunks` near-equal groups (one group, in order, when chunks <= 1)."""
+    order = sorted(range(len(lengths)), key=lengths.__getitem__) if chunks > 1 else list(range(len(lengths)))
+    size = math.ceil(len(order) / max(1, chunks))
+    return [order[s : s + size] for s in range(0, len(order), size)]
 
-    With `chunks` > 1 the sequences are sorted by length and scored in that many forward
-    passes, each padded only to its own longest row: the same scores with less padding
-    (one backward pass still goes through all of them).
+
+def pair_scores(model, batch: list[TokenizedPair], pad_id: int, chunks: int = 1,
+                shared_prefix: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scores of chosen and rejected, both (B,).
+
+    With `chunks` > 1 the sequences (or packed rows) are sorted by length and scored in that many
+    forward passes, each padded only to its own longest row: the same scores with less padding
+    (one backward pass still goes through all of them). With `shared_prefix` (a model where
+    `models.can_pack_pairs` holds) each pair is one row that runs the shared prompt once.
     """
+    if shared_prefix:
+        groups = length_groups([models.packed_length(p.chosen, p.rejected) for p in batch], chunks)
+        parts = [models.packed_pair_scores(model, models.pack_shared_prefix(
+            [(batch[i].chosen, batch[i].rejected) for i in group], pad_id)) for group in groups]
+        inverse = torch.argsort(torch.tensor([i for g in groups for i in g], device=parts[0][0].device))
+        return torch.cat([c for c, _ in parts])[inverse].float(), torch.cat([r for _, r in parts])[inverse].float()
     seqs = [p.chosen for p in batch] + [p.rejected for p in batch]
-    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i])) if chunks > 1 else list(range(len(seqs)))
-    size = math.ceil(len(seqs) / max(1, chunks))
-    parts = [padded_scores(model, [seqs[i] for i in order[s : s + size]], pad_id) for s in range(0, len(order), size)]
-    inverse = torch.argsort(torch.tensor(order, device=parts[0].device))
+    groups = length_groups([len(s) for s in seqs], chunks)
+    parts = [padded_scores(model, [seqs[i] for i in group], pad_id) for group in groups]
+    inverse = torch.argsort(torch.tensor([i for g in groups for i in g], device=parts[0].device))
     scores = torch.cat(parts)[inverse]  # back to chosen..., rejected...
     return scores[: len(batch)], scores[len(batch) :]
 
 
 @torch.no_grad()
-def evaluate_pairs(model, pairs: list[TokenizedPair], pad_id: int, batch_size: int = 64) -> dict:
+def evaluate_pairs(model, pairs: list[TokenizedPair], pad_id: int, batch_size: int = 64,
+                   shared_prefix: bool = False) -> dict:
     """Pairwise accuracy and margin, overall, per family and per violation kind; score statistics."""
     model.eval()
     chosen, rejected = [], []
     for start in range(0, len(pairs), batch_size):
-        c, r = pair_scores(model, pairs[start : start + batch_size], pad_id, chunks=2)
+        c, r = pair_scores(model, pairs[start : start + batch_size], pad_id, chunks=2, shared_prefix=shared_prefix)
         chosen.append(c.cpu())
         rejected.append(r.cpu())
     model.train()
@@ -203,7 +219,8 @@ def metric_sample(pairs: list[TokenizedPair], split: str, seed: int) -> list[Tok
 
 
 def train_step(model, optimizer, scheduler, batch: list[TokenizedPair], pad_id: int, cfg: RMConfig) -> dict:
-    chosen, rejected = pair_scores(model, batch, pad_id, cfg.length_chunks)
+    chosen, rejected = pair_scores(model, batch, pad_id, cfg.length_chunks,
+                                   shared_prefix=cfg.shared_prefix and models.can_pack_pairs(model))
     loss, stats = bradley_terry_loss(chosen, rejected, margin=cfg.margin if cfg.margin else None)
     if cfg.center_rewards_coef > 0:
         loss = loss + reward_centering_penalty(chosen, rejected, cfg.center_rewards_coef)
@@ -219,6 +236,9 @@ def train(cfg: RMConfig, run: RunDir | None = None) -> RunResult:
     started = time.time()
     if not cfg.model:
         raise UserInputError("no backbone given", "--model", "pass the SFT model folder (or any HF causal LM)")
+    if not 0.0 <= cfg.average_weights <= 1.0:
+        raise UserInputError(f"average_weights must be a fraction of the steps in [0, 1], not {cfg.average_weights}",
+                             "--average_weights", "use e.g. 0.4 (the last 40 % of the steps) or 0 (off)")
     configure_threads(cfg.threads)
     seed_everything(cfg.seed, cfg.deterministic)
     # 1. backbone -> scalar reward model (score head: small normal, zero bias)
@@ -239,12 +259,15 @@ def train(cfg: RMConfig, run: RunDir | None = None) -> RunResult:
     rng = random.Random(cfg.seed)
     log.info("reward model: %d train pairs, %d steps", len(pairs["train"]), total)
 
-    done, skipped = 0, 0  # steps already trained: all but the data order come back from a checkpoint
+    done, skipped, average_state = 0, 0, None  # steps already trained: all but the data order come back
     if resumed is not None:
         progress = unpack_single(resumed, model, optimizer, scheduler)
         resumed.commit()  # only now cut the histories back, record the resume
-        done, skipped = progress["step"], progress.get("skipped", 0)
-    pack = lambda: pack_single(model, optimizer, scheduler, {"step": done, "skipped": skipped})  # noqa: E731
+        done, skipped, average_state = progress["step"], progress.get("skipped", 0), progress.get("average")
+    average = WeightAverage(model, average_state)
+    average_from = first_averaged_step(total, cfg.average_weights)
+    pack = lambda: pack_single(model, optimizer, scheduler,  # noqa: E731
+                               {"step": done, "skipped": skipped, "average": average.state()})
 
     # 3. epochs over shuffled pairs (a resumed run replays the shuffles and skips the steps done)
     step = 0
@@ -267,18 +290,24 @@ def train(cfg: RMConfig, run: RunDir | None = None) -> RunResult:
                     run.log({**stats, "lr": scheduler.get_last_lr()[0]}, step=step)
                     bar.set_postfix(loss=f"{stats['loss/rm']:.3f}", acc=f"{stats['rm/accuracy']:.2f}")
                 bar.update(1)
+                if step >= average_from:
+                    average.update()
                 # checkpoint when due, or when SIGINT / SIGTERM asked (then raises Interrupted)
                 done = step
                 saver.step_done(step, pack)
         saver.finish(done, pack)
     bar.close()
+    if average.apply():
+        log.info("reward model: the mean of the weights of steps %d-%d", average_from, step)
 
     # 4. held-out metrics per split, then the model as an ordinary HF folder
-    metrics = {split: evaluate_pairs(model, metric_sample(p, split, cfg.seed), tokenizer.pad_token_id)
-               for split, p in pairs.items()}
+    packed = cfg.shared_prefix and models.can_pack_pairs(model)
+    metrics = {split: evaluate_pairs(model, metric_sample(p, split, cfg.seed), tokenizer.pad_token_id,
+                                     shared_prefix=packed) for split, p in pairs.items()}
     run.log({f"{split}/{k}": v[k] for split, v in metrics.items() for k in ("accuracy", "margin")}, step=step)
     model_dir = models.save_model_folder(run.path / "model", model, tokenizer)
     summary = run.update_summary(stage="rm", steps=step, pairs=metrics, train_pairs=len(pairs["train"]),
+                                 averaged_steps=average.count,
                                  wall_time_s={"rm": round(time.time() - started, 1)}, model_dir=str(model_dir),
                                  nonfinite={"mode": cfg.nonfinite, "skipped_updates": skipped})
     run.close()
