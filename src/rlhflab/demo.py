@@ -76,7 +76,8 @@ def rm_stage_config(demo: DemoConfig, model_dir: str, out: str) -> RMConfig:
 
 
 def diagnose_stage_config(demo: DemoConfig, rm_dir: str, policy_dir: str, out: str) -> RMDiagnoseConfig:
-    values = {**shared_fields(demo, RMDiagnoseConfig), "do_sample": True, "temperature": 1.0}
+    values = {**shared_fields(demo, RMDiagnoseConfig), "do_sample": True, "temperature": 1.0,
+              "samples_per_prompt": demo.rm_diagnosis_samples}
     return RMDiagnoseConfig(**{**values, "reward_model": rm_dir, "policy": policy_dir, "split": "test",
                                "output_dir": out, "overwrite": True, "progress": False})
 

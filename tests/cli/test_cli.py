@@ -15,7 +15,7 @@ TINY_DEMO = [
     "--max_steps", "4", "--batch_size", "8", "--eval_every", "0", "--sft_examples", "64",
     "--num_train_prompts", "22", "--num_validation_prompts", "11", "--num_test_prompts", "11",
     "--hidden_size", "32", "--num_layers", "1", "--intermediate_size", "64", "--max_new_tokens", "8",
-    "--progress", "false", "--threads", "1", "--rm_pair_prompts", "44",
+    "--progress", "false", "--threads", "1", "--rm_pair_prompts", "44", "--rm_epochs", "2",
 ]
 
 

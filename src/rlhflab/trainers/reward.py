@@ -160,6 +160,19 @@ def length_groups(lengths: list[int], chunks: int) -> list[list[int]]:
     return [order[s : s + size] for s in range(0, len(order), size)]
 
 
+def packed_scores(model, batch: list[TokenizedPair], pad_id: int, chunks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`pair_scores` with each pair packed into one row (`models.pack_shared_prefix`)."""
+    groups = length_groups([models.packed_length(p.chosen, p.rejected) for p in batch], chunks)
+    chosen, rejected = [], []
+    for group in groups:
+        packed = models.pack_shared_prefix([(batch[i].chosen, batch[i].rejected) for i in group], pad_id)
+        c, r = models.packed_pair_scores(model, packed)
+        chosen.append(c)
+        rejected.append(r)
+    inverse = torch.argsort(torch.tensor([i for g in groups for i in g], device=chosen[0].device))
+    return torch.cat(chosen)[inverse].float(), torch.cat(rejected)[inverse].float()
+
+
 def pair_scores(model, batch: list[TokenizedPair], pad_id: int, chunks: int = 1,
                 shared_prefix: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Scores of chosen and rejected, both (B,).
@@ -170,11 +183,7 @@ def pair_scores(model, batch: list[TokenizedPair], pad_id: int, chunks: int = 1,
     `models.can_pack_pairs` holds) each pair is one row that runs the shared prompt once.
     """
     if shared_prefix:
-        groups = length_groups([models.packed_length(p.chosen, p.rejected) for p in batch], chunks)
-        parts = [models.packed_pair_scores(model, models.pack_shared_prefix(
-            [(batch[i].chosen, batch[i].rejected) for i in group], pad_id)) for group in groups]
-        inverse = torch.argsort(torch.tensor([i for g in groups for i in g], device=parts[0][0].device))
-        return torch.cat([c for c, _ in parts])[inverse].float(), torch.cat([r for _, r in parts])[inverse].float()
+        return packed_scores(model, batch, pad_id, chunks)
     seqs = [p.chosen for p in batch] + [p.rejected for p in batch]
     groups = length_groups([len(s) for s in seqs], chunks)
     parts = [padded_scores(model, [seqs[i] for i in group], pad_id) for group in groups]
