@@ -17,12 +17,15 @@ from rlhflab.tasks import template_corpus
 
 TINY = dict(hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64)
 PAD = 0
-# (chosen, rejected): a shared prompt of different lengths; the second pair's rejected lies wholly inside
-# the shared prefix (a missing-EOS answer); the third shares nothing but the first token
+# (chosen, rejected): a shared prompt of different lengths; the second pair's rejected and the fourth's
+# chosen lie wholly inside the shared prefix (a missing-EOS answer); the third shares nothing but the first
+# token; the fifth is two identical sequences
 PAIRS = [
     ([5, 6, 7, 8, 9, 10, 3], [5, 6, 7, 8, 11, 12, 13, 3]),
     ([5, 6, 14, 15, 3], [5, 6, 14, 15]),
     ([7, 8, 3], [7, 20, 21, 22, 23, 24, 3]),
+    ([5, 6, 7], [5, 6, 7, 8, 3]),
+    ([9, 10, 11, 3], [9, 10, 11, 3]),
 ]
 
 
@@ -81,7 +84,7 @@ def test_packed_scores_and_gradients_equal_separate_sequences(tokenizer, arch):
         else:
             scores = separate_scores(model, [c for c, _ in PAIRS] + [r for _, r in PAIRS])
             chosen, rejected = scores[: len(PAIRS)], scores[len(PAIRS) :]
-        (chosen * torch.tensor([1.0, -2.0, 0.5]) + rejected ** 2).sum().backward()
+        (chosen * torch.tensor([1.0, -2.0, 0.5, 1.5, -1.0]) + rejected ** 2).sum().backward()
         return chosen.detach(), rejected.detach(), [p.grad.clone() for p in model.parameters()]
 
     c_sep, r_sep, g_sep = run(packed=False)

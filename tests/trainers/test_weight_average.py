@@ -1,7 +1,12 @@
 """Weight averaging over the last steps (trainers/weight_average.py)."""
 
+import json
+
 import pytest
 import torch
+from safetensors.torch import load, save
+
+from rlhflab.checkpoint.state import decode, encode
 
 from rlhflab.trainers.weight_average import WeightAverage, first_averaged_step
 
@@ -29,15 +34,22 @@ def set_weights(model, values):
         model.bias.copy_(values[1])
 
 
-def test_the_mean_is_the_arithmetic_mean_of_the_included_steps_and_survives_a_restart():
+def through_a_checkpoint(state: dict) -> dict:
+    """`state` saved and read back the way a checkpoint's progress is (JSON + safetensors, CPU tensors)."""
+    tensors = {}
+    text = json.dumps(encode(state, tensors))
+    return decode(json.loads(text), load(save(tensors)))
+
+
+def test_the_mean_is_the_arithmetic_mean_of_the_included_steps_and_survives_a_checkpoint():
     model = torch.nn.Linear(2, 3)
-    model.weight.requires_grad_(True)
     snaps = snapshots_of(5)
     average = WeightAverage(model)
     for values in snaps[:2]:
         set_weights(model, values)
         average.update()
-    resumed = WeightAverage(model, average.state())  # as a checkpoint hands it back
+    resumed = WeightAverage(model, through_a_checkpoint(average.state()))
+    assert all(t.dtype == torch.float32 and t.device == model.weight.device for t in resumed.mean.values())
     for values in snaps[2:]:
         set_weights(model, values)
         resumed.update()
@@ -61,3 +73,16 @@ def test_frozen_parameters_are_left_alone_and_no_steps_means_no_change():
     changed = model.bias.detach().clone()
     average.apply()
     assert torch.equal(model.bias, changed)
+
+
+def test_a_bf16_model_is_averaged_in_float32():
+    model = torch.nn.Linear(2, 3).to(torch.bfloat16)
+    average = WeightAverage(model)
+    steps = 300
+    with torch.no_grad():
+        for step in range(steps):  # weights 1 + i/1000: their mean is 1.1495, which bf16 steps cannot hold
+            model.weight.fill_(1 + step / 1000)
+            average.update()
+    assert average.mean["weight"].dtype == torch.float32
+    exact = sum(float(torch.tensor(1 + s / 1000).to(torch.bfloat16)) for s in range(steps)) / steps
+    assert average.mean["weight"][0, 0].item() == pytest.approx(exact, abs=1e-5)

@@ -1,18 +1,20 @@
 """A lean forward for Llama-layout models (Llama, Qwen2): the same weights and math as the HF
-layers, as plain tensor ops, for the no-grad passes where per-module overhead dominates.
+layers, as plain tensor ops, for the passes where per-module overhead dominates.
 
 Why: at the sizes PPO runs on a CPU, a Hugging Face forward is mostly Python and small-op
 overhead (per-module `__call__`, a causal mask rebuilt per call, a cache concatenated per
 decode step), not arithmetic. Measured on the demo model (1 thread, busy machine): a decode
 step 5.5-6.5 ms in HF vs 2.7-4.2 ms here; a forward over 8 x 50 tokens 41 ms vs 26 ms.
 Used for: generation (`LeanDecoder`: prefill into preallocated key / value buffers, then one
-token at a time; rollout/generate.py), reward-model scores (`sequence_scores(lean=True)`) and
-PPO's policy / reference forwards (rollout/roles.py). The rollout's log-probs and the training
+token at a time; rollout/generate.py), reward-model scores (`sequence_scores(lean=True)`),
+PPO's policy / reference forwards (rollout/roles.py) and reward-model training on packed pairs
+(an explicit attention mask: models/packing.py). The rollout's log-probs and the training
 forward's come from this same code, so ratio == 1 and KL == 0 at the start stay exact; against
 the HF forward the numbers agree to ~1e-6 (tests/models/test_models_lean.py).
 
-Only models whose decoder layers are exactly the Llama layout, in eval mode, qualify
-(`plan_lean` returns None otherwise and callers keep the model's own forward). A plain peft
+Only models whose decoder layers are exactly the Llama layout qualify, in eval mode or, when
+the caller allows it, in training mode without dropout (`plan_lean` returns None otherwise and
+callers keep the model's own forward). A plain peft
 LoRA Linear runs as base(x) + scale * B(A(x)) on its own tensors; any other kind of layer is
 called as a module, so adapters are never skipped.
 """
@@ -186,6 +188,8 @@ def lean_hidden(plan: LeanPlan, input_ids: Tensor, attention_mask: Tensor | None
     `kv_out[i]` = (K, V) buffers (B, H_kv, >= L, D) receive layer i's rotated keys and values
     (the prefill of `LeanDecoder`).
     """
+    if attention_mask is None and allowed is None:
+        raise ValueError("lean_hidden needs an attention_mask or an explicit allowed mask")
     batch, length = input_ids.shape
     heads, kv_heads, dim = plan.num_heads, plan.num_kv_heads, plan.head_dim
     allowed = (causal_allowed(attention_mask) if allowed is None else allowed).unsqueeze(1)  # (B, 1, L, L)

@@ -16,6 +16,7 @@ the same up to float summation order (tests/models/test_packing.py).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -33,6 +34,7 @@ class PackedPairs:
 
 
 def common_prefix_length(a: list[int], b: list[int]) -> int:
+    """How many leading tokens `a` and `b` share."""
     n = 0
     for x, y in zip(a, b):
         if x != y:
@@ -46,35 +48,43 @@ def packed_length(a: list[int], b: list[int]) -> int:
     return len(a) + len(b) - common_prefix_length(a, b)
 
 
-def _segments(a: list[int], b: list[int]) -> tuple[list[int], list[int], list[int], int, int]:
-    """Token ids, segment ids and positions of one packed row; the indices of a's and b's last tokens."""
+class PackedRow(NamedTuple):
+    ids: list[int]
+    segments: list[int]  # PREFIX / FIRST / SECOND per token
+    positions: list[int]
+    first_last: int  # index of a's last token
+    second_last: int  # index of b's last token
+
+
+def packed_row(a: list[int], b: list[int]) -> PackedRow:
+    """One pair's row before padding: shared prefix, a's rest, b's rest (see module doc)."""
     k = common_prefix_length(a, b)
-    ids = a + b[k:]
-    segments = [PREFIX] * k + [FIRST] * (len(a) - k) + [SECOND] * (len(b) - k)
-    positions = list(range(len(a))) + list(range(k, len(b)))
-    second_last = len(ids) - 1 if len(b) > k else len(b) - 1  # b may lie wholly inside the prefix
-    return ids, segments, positions, len(a) - 1, second_last
+    second_last = len(a) + len(b) - k - 1 if len(b) > k else len(b) - 1  # b may lie wholly inside the prefix
+    return PackedRow(ids=a + b[k:],
+                     segments=[PREFIX] * k + [FIRST] * (len(a) - k) + [SECOND] * (len(b) - k),
+                     positions=list(range(len(a))) + list(range(k, len(b))),
+                     first_last=len(a) - 1, second_last=second_last)
 
 
 def pack_shared_prefix(pairs: list[tuple[list[int], list[int]]], pad_id: int) -> PackedPairs:
     """Pack each (a, b) pair of non-empty token lists into one right-padded row (see module doc)."""
     if not pairs or any(not a or not b for a, b in pairs):
         raise ValueError("pack_shared_prefix needs at least one pair of non-empty sequences")
-    rows = [_segments(a, b) for a, b in pairs]
-    length = max(len(r[0]) for r in rows)
+    rows = [packed_row(a, b) for a, b in pairs]
+    length = max(len(r.ids) for r in rows)
     batch = len(rows)
     input_ids = torch.full((batch, length), pad_id, dtype=torch.long)
     segment = torch.full((batch, length), PAD, dtype=torch.long)
     position_ids = torch.zeros((batch, length), dtype=torch.long)
-    for i, (ids, segs, positions, _, _) in enumerate(rows):
-        input_ids[i, : len(ids)] = torch.tensor(ids)
-        segment[i, : len(ids)] = torch.tensor(segs)
-        position_ids[i, : len(ids)] = torch.tensor(positions)
+    for i, row in enumerate(rows):
+        input_ids[i, : len(row.ids)] = torch.tensor(row.ids)
+        segment[i, : len(row.ids)] = torch.tensor(row.segments)
+        position_ids[i, : len(row.ids)] = torch.tensor(row.positions)
     causal = torch.ones(length, length, dtype=torch.bool).tril()  # (L, L) key j <= query i
     query, key = segment[:, :, None], segment[:, None, :]  # (B, L, 1), (B, 1, L)
     same_branch = (key == PREFIX) | (key == query)
     real = (query != PAD) & (key != PAD)
     allowed = (causal & same_branch & real) | torch.eye(length, dtype=torch.bool)  # padding reads itself only
-    first_last = torch.tensor([r[3] for r in rows])
-    second_last = torch.tensor([r[4] for r in rows])
+    first_last = torch.tensor([r.first_last for r in rows])
+    second_last = torch.tensor([r.second_last for r in rows])
     return PackedPairs(input_ids, position_ids, allowed, first_last, second_last)

@@ -227,9 +227,20 @@ def metric_sample(pairs: list[TokenizedPair], split: str, seed: int) -> list[Tok
     return random.Random(f"rlhflab.rm.train_metrics:{seed}").sample(pairs, TRAIN_METRIC_PAIRS)
 
 
-def train_step(model, optimizer, scheduler, batch: list[TokenizedPair], pad_id: int, cfg: RMConfig) -> dict:
-    chosen, rejected = pair_scores(model, batch, pad_id, cfg.length_chunks,
-                                   shared_prefix=cfg.shared_prefix and models.can_pack_pairs(model))
+def use_shared_prefix(cfg: RMConfig, model) -> bool:
+    """`cfg.shared_prefix` where the model allows it (`models.can_pack_pairs`); says so when it does not."""
+    if not cfg.shared_prefix:
+        return False
+    if models.can_pack_pairs(model):
+        return True
+    log.info("reward model: %s is not a Llama / Qwen2 layout without dropout; chosen and rejected are scored "
+             "as separate sequences (shared_prefix off)", type(model).__name__)
+    return False
+
+
+def train_step(model, optimizer, scheduler, batch: list[TokenizedPair], pad_id: int, cfg: RMConfig,
+               shared_prefix: bool) -> dict:
+    chosen, rejected = pair_scores(model, batch, pad_id, cfg.length_chunks, shared_prefix)
     loss, stats = bradley_terry_loss(chosen, rejected, margin=cfg.margin if cfg.margin else None)
     if cfg.center_rewards_coef > 0:
         loss = loss + reward_centering_penalty(chosen, rejected, cfg.center_rewards_coef)
@@ -258,6 +269,7 @@ def train(cfg: RMConfig, run: RunDir | None = None) -> RunResult:
     model.to(resolve_device(cfg.device))
     models.disable_dropout(model)
     model.train()
+    shared_prefix = use_shared_prefix(cfg, model)
     # 2. pairs, validated and tokenised before the run folder exists
     pairs = load_pairs(cfg, tokenizer)
     run, resumed = open_run(cfg, "rm") if run is None else (run, None)
@@ -293,7 +305,7 @@ def train(cfg: RMConfig, run: RunDir | None = None) -> RunResult:
                 batch_ids = order[start : start + cfg.batch_size]
                 batch = [pairs["train"][i] for i in batch_ids]
                 stats, skipped = guarded_step(
-                    lambda: train_step(model, optimizer, scheduler, batch, tokenizer.pad_token_id, cfg),
+                    lambda: train_step(model, optimizer, scheduler, batch, tokenizer.pad_token_id, cfg, shared_prefix),
                     f"reward-model step {step}", f"train pairs {batch_ids}", skipped, cfg.nonfinite)
                 if step % cfg.log_every == 0 or step == total:
                     run.log({**stats, "lr": scheduler.get_last_lr()[0]}, step=step)
@@ -310,9 +322,8 @@ def train(cfg: RMConfig, run: RunDir | None = None) -> RunResult:
         log.info("reward model: the mean of the weights of steps %d-%d", average_from, step)
 
     # 4. held-out metrics per split, then the model as an ordinary HF folder
-    packed = cfg.shared_prefix and models.can_pack_pairs(model)
     metrics = {split: evaluate_pairs(model, metric_sample(p, split, cfg.seed), tokenizer.pad_token_id,
-                                     shared_prefix=packed) for split, p in pairs.items()}
+                                     shared_prefix=shared_prefix) for split, p in pairs.items()}
     run.log({f"{split}/{k}": v[k] for split, v in metrics.items() for k in ("accuracy", "margin")}, step=step)
     model_dir = models.save_model_folder(run.path / "model", model, tokenizer)
     summary = run.update_summary(stage="rm", steps=step, pairs=metrics, train_pairs=len(pairs["train"]),
