@@ -138,7 +138,11 @@ def run_rm_diagnose(cfg) -> int:
     d = result.summary["rm_diagnosis"]
     print(f"{d['answers']} answers of the policy on {cfg.split} (pass rate {d['pass_rate']:.1%}):")
     print(f"  mean reward passing {d['mean_reward_passing']:.2f} vs failing {d['mean_reward_failing']:.2f}")
-    print(f"  point-biserial correlation with pass/fail {d['point_biserial']:.3f}, ROC-AUC {d['roc_auc']:.3f}")
+    if d["pass_rate"] in (0.0, 1.0):
+        print(f"  point-biserial correlation and ROC-AUC undefined: {'no' if d['pass_rate'] == 0 else 'every'} "
+              "answer passed (more samples per prompt, or a stronger policy)")
+    else:
+        print(f"  point-biserial correlation with pass/fail {d['point_biserial']:.3f}, ROC-AUC {d['roc_auc']:.3f}")
     print(describe_length_bias(result.summary["length_bias"]))
     print(f"worst cases: {result.run_dir / 'worst_cases.md'}")
     print_report(result.run_dir)

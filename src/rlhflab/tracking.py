@@ -91,6 +91,16 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
+def _strict_json(value: Any) -> Any:
+    """`value` with every non-finite float spelled as a string (as metrics.jsonl does), so the
+    file is strict JSON that any parser reads (bare NaN / Infinity are not JSON)."""
+    if isinstance(value, dict):
+        return {k: _strict_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_strict_json(v) for v in value]
+    return _jsonable(value) if isinstance(value, float) else value
+
+
 class RunDir:
     """A run folder: created once, appended to while the run goes on."""
 
@@ -117,7 +127,7 @@ class RunDir:
     def write_json(self, name: str, payload: Any) -> Path:
         target = self.path / name
         tmp = target.with_suffix(target.suffix + ".tmp")
-        tmp.write_text(json.dumps(payload, indent=2, default=_jsonable) + "\n")
+        tmp.write_text(json.dumps(_strict_json(payload), indent=2, default=_jsonable, allow_nan=False) + "\n")
         os.replace(tmp, target)
         return target
 

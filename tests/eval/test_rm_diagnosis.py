@@ -36,3 +36,19 @@ def test_summary_and_worst_cases():
     assert s["worst_failing"][0]["answer"] == "A" and s["roc_auc"] == 0.5
     text = worst_cases_text(s)
     assert "score 5.00" in text and "'A'" in text and "expected 'a'" in text
+
+
+def test_worst_cases_say_when_a_side_is_empty():
+    rows = [{"score": 1.0, "passed": False, "family": "f", "kind": "wrong_case", "prompt": "p\n", "answer": "A",
+             "reference": "a"}]
+    text = worst_cases_text(diagnosis_summary(rows, worst=3))
+    assert "no answer passed" in text and "'A'" in text
+
+
+def test_zero_samples_per_prompt_is_refused_up_front():
+    from rlhflab.config import RMDiagnoseConfig
+    from rlhflab.errors import UserInputError
+    from rlhflab.eval.rm_diagnosis import check_diagnose_config
+
+    with pytest.raises(UserInputError, match="samples_per_prompt"):
+        check_diagnose_config(RMDiagnoseConfig(reward_model="rm", policy="p", samples_per_prompt=0))

@@ -117,3 +117,16 @@ def test_count_parameters_trainable_only(tokenizer):
     model.model.embed_tokens.weight.requires_grad_(False)
     assert count_parameters(model, trainable_only=True) == total - len(tokenizer) * 32
     assert count_parameters(model) == total
+
+
+def test_a_run_folder_points_to_its_model_folder(tiny_folder, tmp_path):
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(tiny_folder, run / "model")
+    shutil.copytree(tiny_folder, tmp_path / "demo" / "sft" / "model")  # a demo: one model folder per stage
+    for folder, inside in ((run, run / "model"), (tmp_path / "demo", tmp_path / "demo" / "sft" / "model")):
+        for load in (load_causal_lm, load_tokenizer):
+            with pytest.raises(UserInputError, match="run folder") as info:
+                load(folder)
+            assert str(inside) in str(info.value)

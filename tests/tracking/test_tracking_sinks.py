@@ -168,3 +168,13 @@ def test_real_tensorboard_event_file_holds_the_scalars(tmp_path):
     events.Reload()
     assert [(e.step, e.value) for e in events.Scalars("loss/sft")] == [(1, 2.5), (2, 1.25)]
     assert [e.value for e in events.Scalars("tokens")] == [7.0]
+
+
+def test_json_files_stay_strict_json_when_a_value_is_not_finite(tmp_path):
+    run = RunDir(tmp_path / "run")
+    summary = run.update_summary(rm_diagnosis={"point_biserial": math.nan, "answers": 3}, best=[math.inf, 1.0])
+    assert math.isnan(summary["rm_diagnosis"]["point_biserial"])  # the caller keeps its float
+    text = (run.path / "summary.json").read_text()
+    assert "NaN" not in text and "Infinity" not in text
+    loaded = json.loads(text, parse_constant=lambda name: pytest.fail(f"bare {name} in summary.json"))
+    assert loaded["rm_diagnosis"] == {"point_biserial": "nan", "answers": 3} and loaded["best"] == ["inf", 1.0]

@@ -120,3 +120,15 @@ def test_near_misses_join_the_training_pairs_only_and_are_refused_for_a_users_pa
     assert not any(p.violation == reward.NEAR_MISS for split in ("validation", "test") for p in pairs[split])
     with pytest.raises(UserInputError, match="near misses"):
         reward.load_pairs(tiny_rm_cfg(backbone_dir, tmp_path, near_misses=1, train_file="x.jsonl"), None)
+
+
+@pytest.mark.parametrize("field", ["batch_size", "num_epochs", "length_chunks"])
+def test_a_zero_size_is_refused_before_the_run_folder_exists(backbone_dir, tmp_path, field):
+    with pytest.raises(UserInputError, match=">= 1"):
+        reward.train(tiny_rm_cfg(backbone_dir, tmp_path, **{field: 0}))
+    assert not (tmp_path / "rm").exists()
+
+
+def test_the_summary_says_whether_pairs_were_packed(backbone_dir, tmp_path):
+    result = reward.train(tiny_rm_cfg(backbone_dir, tmp_path, num_epochs=1, num_train_prompts=22))
+    assert result.summary["shared_prefix"] is True  # a Llama backbone packs by default

@@ -73,10 +73,21 @@ def worst_cases_text(summary: dict) -> str:
     for r in summary["worst_failing"]:
         lines += [f"- score {r['score']:.2f} [{r['family']}, {r['kind']}] {r['prompt'].strip()!r}",
                   f"  answer {r['answer']!r}, expected {r['reference']!r}"]
+    if not summary["worst_failing"]:
+        lines.append("(none: every answer passed)")
     lines += ["", "# Passing answers the reward model scored lowest", ""]
+    if not summary["worst_passing"]:
+        lines.append("(none: no answer passed, so correlation and ROC-AUC are undefined)")
     for r in summary["worst_passing"]:
         lines += [f"- score {r['score']:.2f} [{r['family']}] {r['prompt'].strip()!r}", f"  answer {r['answer']!r}"]
     return "\n".join(lines) + "\n"
+
+
+def check_diagnose_config(cfg: RMDiagnoseConfig) -> None:
+    """Values the diagnosis cannot run with, refused before anything is generated."""
+    if cfg.samples_per_prompt < 1:
+        raise UserInputError(f"samples_per_prompt must be >= 1, not {cfg.samples_per_prompt}", "--samples_per_prompt",
+                             "use 2 for a quick look, 8 for a correlation steady to about +-0.01")
 
 
 def diagnose(cfg: RMDiagnoseConfig, run: RunDir | None = None) -> RunResult:
@@ -84,6 +95,7 @@ def diagnose(cfg: RMDiagnoseConfig, run: RunDir | None = None) -> RunResult:
     started = time.time()
     if not cfg.reward_model or not cfg.policy:
         raise UserInputError("both --reward_model and --policy are needed", "rlhflab rm diagnose")
+    check_diagnose_config(cfg)
     configure_threads(cfg.threads)
     seed_everything(cfg.seed, cfg.deterministic)
     device = resolve_device(cfg.device)

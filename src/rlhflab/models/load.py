@@ -42,9 +42,20 @@ def _looks_like_path(path_or_id: str) -> bool:
     return s.startswith(("/", "./", "../", "~", ".\\")) or s.count("/") > 1 or "\\" in s or s in (".", "..")
 
 
+def _model_folders_inside(path: Path) -> list[Path]:
+    """The model folders of a run folder (RUN/model, or RUN/<stage>/model for a demo); [] for anything else."""
+    if not path.is_dir() or (path / "config.json").exists():
+        return []
+    return [p for p in [path / "model", *sorted(path.glob("*/model"))] if (p / "config.json").exists()]
+
+
 def _check_exists(path_or_id: str | Path, what: str) -> str:
     """Return the string form; raise for a local path that does not exist (before touching the hub)."""
     path = Path(path_or_id).expanduser()
+    inside = _model_folders_inside(path)
+    if inside:
+        raise UserInputError(f"this is a run folder, not a {what} folder", where=str(path),
+                             fix="pass one of its model folders: " + ", ".join(map(str, inside)))
     if path.exists():
         return str(path)
     if isinstance(path_or_id, Path) or _looks_like_path(str(path_or_id)):

@@ -55,7 +55,7 @@ def load_reward_model(
             f"not a reward model: architectures {getattr(config, 'architectures', None)} has no "
             "*ForSequenceClassification",
             where=s,
-            fix="train one with `rlhflab reward`, or build one from a causal LM with build_reward_model_from_causal",
+            fix="train one with `rlhflab rm`, or build one from a causal LM with build_reward_model_from_causal",
         )
     if config.num_labels != 1:
         raise UserInputError(

@@ -256,6 +256,9 @@ def train(cfg: RMConfig, run: RunDir | None = None) -> RunResult:
     started = time.time()
     if not cfg.model:
         raise UserInputError("no backbone given", "--model", "pass the SFT model folder (or any HF causal LM)")
+    if cfg.num_epochs < 1 or cfg.batch_size < 1 or cfg.length_chunks < 1:
+        raise UserInputError(f"num_epochs, batch_size and length_chunks must be >= 1 (got {cfg.num_epochs}, "
+                             f"{cfg.batch_size}, {cfg.length_chunks})", "rm config")
     if not 0.0 <= cfg.average_weights <= 1.0:
         raise UserInputError(f"average_weights must be a fraction of the steps in [0, 1], not {cfg.average_weights}",
                              "--average_weights", "use e.g. 0.4 (the last 40 % of the steps) or 0 (off)")
@@ -318,8 +321,8 @@ def train(cfg: RMConfig, run: RunDir | None = None) -> RunResult:
                 saver.step_done(step, pack)
         saver.finish(done, pack)
     bar.close()
-    if average.apply():
-        log.info("reward model: the mean of the weights of steps %d-%d", average_from, step)
+    if average.apply():  # the steps this process and the checkpoints before it averaged: the last `count`
+        log.info("reward model: the mean of the weights of steps %d-%d", step - average.count + 1, step)
 
     # 4. held-out metrics per split, then the model as an ordinary HF folder
     metrics = {split: evaluate_pairs(model, metric_sample(p, split, cfg.seed), tokenizer.pad_token_id,
@@ -327,7 +330,7 @@ def train(cfg: RMConfig, run: RunDir | None = None) -> RunResult:
     run.log({f"{split}/{k}": v[k] for split, v in metrics.items() for k in ("accuracy", "margin")}, step=step)
     model_dir = models.save_model_folder(run.path / "model", model, tokenizer)
     summary = run.update_summary(stage="rm", steps=step, pairs=metrics, train_pairs=len(pairs["train"]),
-                                 averaged_steps=average.count,
+                                 averaged_steps=average.count, shared_prefix=shared_prefix,
                                  wall_time_s={"rm": round(time.time() - started, 1)}, model_dir=str(model_dir),
                                  nonfinite={"mode": cfg.nonfinite, "skipped_updates": skipped})
     run.close()
