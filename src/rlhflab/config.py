@@ -419,6 +419,11 @@ def read_yaml_config(path: str, config_cls: type) -> dict[str, Any]:
 def build_parser(config_cls: type, prog: str) -> HfArgumentParser:
     parser = HfArgumentParser(config_cls, prog=prog, description=config_cls.__doc__, allow_abbrev=False)
     parser.add_argument("--config", default=None, help="YAML file whose keys are the field names; flags override it")
+    for action in parser._actions:  # HfArgumentParser gives --no_X the help of --X, which reads backwards
+        negative = [o for o in action.option_strings if o.startswith("--no_")]
+        if negative and action.const is False:
+            action.help = f"turn {action.dest} off (the same as --{action.dest} false)"
+            action.default = argparse.SUPPRESS  # keeps "(default: False)" out of the help; --X holds the default
     return parser
 
 

@@ -130,7 +130,12 @@ def check_later_stages(cfg: DemoConfig) -> None:
     placeholder = str(Path(cfg.output_dir or ".") / "sft" / "model")
     for reward_fields in ({}, {"reward": "model", "reward_model": placeholder, "normalize_reward": True}):
         ppo_cfg = ppo_stage_config(cfg, placeholder, placeholder, **reward_fields)
-        check_ppo_config(ppo_cfg)
+        try:
+            check_ppo_config(ppo_cfg)
+        except UserInputError as err:  # name the demo's own ways to set PPO fields
+            raise UserInputError(err.what, f"demo PPO stage, {err.where}",
+                                 f"{err.fix}; the demo sets PPO fields through --ppo_total_episodes, "
+                                 "--ppo_learning_rate, --ppo_kl_coef or a YAML of PPO fields (--ppo_config)") from err
         RunMonitor.from_config(ppo_cfg)
     if cfg.run_rm:
         rm_stage_config(cfg, placeholder, placeholder)

@@ -108,6 +108,15 @@ def test_unknown_key_is_an_error_with_a_suggestion(tmp_path, capsys):
     assert "did you mean 'learning_rate'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flags, named", [(["--ppo_total_episodes", "16"], "--ppo_total_episodes"),
+                                          (["--rm_diagnosis_samples", "0"], "--rm_diagnosis_samples")])
+def test_a_bad_later_stage_value_is_refused_before_sft_naming_the_demo_flag(tmp_path, capsys, flags, named):
+    out = tmp_path / "run"
+    assert main(["demo", "--out", str(out), *flags]) == 2
+    assert named in capsys.readouterr().err
+    assert not out.exists()  # nothing trained, nothing written
+
+
 def test_unknown_stage_suggests_the_closest(capsys):
     assert main(["demoo"]) == 2
     assert "did you mean 'demo'" in capsys.readouterr().err

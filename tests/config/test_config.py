@@ -3,7 +3,7 @@ import dataclasses
 import pytest
 import yaml
 
-from rlhflab.config import EvalConfig, SFTConfig, STAGES, build_parser, parse_config
+from rlhflab.config import EvalConfig, RMConfig, SFTConfig, STAGES, build_parser, parse_config
 from rlhflab.errors import UserInputError
 
 
@@ -117,3 +117,10 @@ def test_every_shipped_config_file_is_tested():
 
     shipped = {p.stem for p in (Path(__file__).resolve().parents[2] / "configs").glob("*.yaml")}
     assert shipped == {"sft_tiny", "sft", "eval", "demo", "ppo_tiny", "ppo_lora", "rm_tiny"}
+
+
+def test_a_no_flag_says_it_turns_the_option_off_and_keeps_the_default():
+    help_text = " ".join(build_parser(RMConfig, "rlhflab rm").format_help().split())
+    assert "--no_shared_prefix, --no-shared-prefix turn shared_prefix off" in help_text
+    assert parse_config(RMConfig, [], "rlhflab rm").shared_prefix is True
+    assert parse_config(RMConfig, ["--no_shared_prefix"], "rlhflab rm").shared_prefix is False
