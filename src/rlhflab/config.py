@@ -420,8 +420,7 @@ def build_parser(config_cls: type, prog: str) -> HfArgumentParser:
     parser = HfArgumentParser(config_cls, prog=prog, description=config_cls.__doc__, allow_abbrev=False)
     parser.add_argument("--config", default=None, help="YAML file whose keys are the field names; flags override it")
     for action in parser._actions:  # HfArgumentParser gives --no_X the help of --X, which reads backwards
-        negative = [o for o in action.option_strings if o.startswith("--no_")]
-        if negative and action.const is False:
+        if action.const is False and any(o.startswith("--no_") for o in action.option_strings):
             action.help = f"turn {action.dest} off (the same as --{action.dest} false)"
             action.default = argparse.SUPPRESS  # keeps "(default: False)" out of the help; --X holds the default
     return parser

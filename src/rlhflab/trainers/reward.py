@@ -160,6 +160,12 @@ def length_groups(lengths: list[int], chunks: int) -> list[list[int]]:
     return [order[s : s + size] for s in range(0, len(order), size)]
 
 
+def in_batch_order(parts: list[torch.Tensor], groups: list[list[int]]) -> torch.Tensor:
+    """Per-group results, concatenated, put back in the order of the indices `groups` split up."""
+    inverse = torch.argsort(torch.tensor([i for g in groups for i in g], device=parts[0].device))
+    return torch.cat(parts)[inverse]
+
+
 def packed_scores(model, batch: list[TokenizedPair], pad_id: int, chunks: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`pair_scores` with each pair packed into one row (`models.pack_shared_prefix`)."""
     groups = length_groups([models.packed_length(p.chosen, p.rejected) for p in batch], chunks)
@@ -169,8 +175,7 @@ def packed_scores(model, batch: list[TokenizedPair], pad_id: int, chunks: int) -
         c, r = models.packed_pair_scores(model, packed)
         chosen.append(c)
         rejected.append(r)
-    inverse = torch.argsort(torch.tensor([i for g in groups for i in g], device=chosen[0].device))
-    return torch.cat(chosen)[inverse].float(), torch.cat(rejected)[inverse].float()
+    return in_batch_order(chosen, groups).float(), in_batch_order(rejected, groups).float()
 
 
 def pair_scores(model, batch: list[TokenizedPair], pad_id: int, chunks: int = 1,
@@ -187,8 +192,7 @@ def pair_scores(model, batch: list[TokenizedPair], pad_id: int, chunks: int = 1,
     seqs = [p.chosen for p in batch] + [p.rejected for p in batch]
     groups = length_groups([len(s) for s in seqs], chunks)
     parts = [padded_scores(model, [seqs[i] for i in group], pad_id) for group in groups]
-    inverse = torch.argsort(torch.tensor([i for g in groups for i in g], device=parts[0].device))
-    scores = torch.cat(parts)[inverse]  # back to chosen..., rejected...
+    scores = in_batch_order(parts, groups)  # back to chosen..., rejected...
     return scores[: len(batch)], scores[len(batch) :]
 
 
