@@ -9,7 +9,7 @@ PACKAGE = Path(rlhflab.__file__).parent
 LAYERS = {
     "errors": 0, "core": 0,
     "config": 1, "tasks": 1, "data": 1, "models": 1, "tracking": 1,
-    "rollout": 2, "rewards": 2, "checkpoint": 2,  # checkpoint sits below the trainers that call it
+    "rollout": 2, "rewards": 2, "sources": 2, "checkpoint": 2,  # checkpoint sits below the trainers that call it
     "trainers": 3,
     "eval": 4,
     "report": 5, "demo": 5,

@@ -54,7 +54,7 @@ def test_checker_reward(items):
 
 
 def test_checker_reward_length_mismatch(items):
-    with pytest.raises(ValueError, match="2 prompts, 1 responses and 3 items"):
+    with pytest.raises(ValueError, match="2 prompts, 1 responses and 3 rows"):
         CheckerReward()(["a", "b"], ["x"], items)
 
 

@@ -73,8 +73,9 @@ class Condition(NamedTuple):
 class History:
     """Per-update series (name -> [(step, value)]) and the evaluations' pass rates."""
 
-    def __init__(self) -> None:
+    def __init__(self, signal: str = "val/pass_rate") -> None:
         self.series: dict[str, list[tuple[int, float]]] = defaultdict(list)
+        self.signal = signal  # the held-out metric of `evals`: val/pass_rate, or val/reward without a verifier
         self.evals: list[tuple[int, float]] = []
         self.step = 0  # step of the latest update row
 
@@ -107,7 +108,7 @@ def hacking_by_score(h: History, r: AlarmRules) -> list[Condition]:
     now = median([v for _, v in h.series["objective/scores"][-r.window :]])
     rise = now - then
     reason = (f"objective/scores rose {_fmt(then)} -> {_fmt(now)} (+{_fmt(rise)} >= {_fmt(r.score_rise_bound)}, "
-              f"medians of {r.window} updates) since the best evaluation (step {best_step}, val/pass_rate "
+              f"medians of {r.window} updates) since the best evaluation (step {best_step}, {h.signal} "
               f"{_fmt(best)}), while the last {r.hacking_evals} evaluations "
               f"({', '.join(_fmt(v) for _, v in recent)}) did not beat it by {_fmt(r.min_delta)}")
     return [Condition("reward_hacking", "score_vs_pass_rate", flat and rise >= r.score_rise_bound, 1, reason)]
@@ -236,9 +237,9 @@ EVAL_RULES: tuple[Callable[[History, AlarmRules], list[Condition]], ...] = (hack
 class Alarms:
     """Feed it every logged row; it returns the alarms that fire at that row (each name once)."""
 
-    def __init__(self, rules: AlarmRules | None = None):
+    def __init__(self, rules: AlarmRules | None = None, signal: str = "val/pass_rate"):
         self.rules = rules or AlarmRules()
-        self.history = History()
+        self.history = History(signal)
         self.streaks: dict[str, int] = defaultdict(int)
         self.fired: dict[str, dict] = {}
 
@@ -251,10 +252,12 @@ class Alarms:
                                         f"non-finite metric values: {', '.join(f'{k}={metrics[k]}' for k in bad)}"))
         numbers = {k: float(v) for k, v in metrics.items()
                    if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
-        if "val/pass_rate" in numbers:
-            self.history.evals.append((step, numbers.pop("val/pass_rate")))
+        signal = self.history.signal
+        if signal in numbers:
+            self.history.evals.append((step, numbers.pop(signal)))
             conditions += [c for rule in EVAL_RULES for c in rule(self.history, self.rules)]
-            numbers = {k: v for k, v in numbers.items() if not k.startswith("val/pass_rate/") and k != "episode"}
+            numbers = {k: v for k, v in numbers.items()
+                       if not k.startswith(signal + "/") and k not in ("episode", "val/reward_unscored")}
         if numbers:
             self.history.step = step
             for key, value in numbers.items():

@@ -34,13 +34,15 @@ class StoppingRule:
     pass rate. Independently, the first alarm whose name is in `stop_on` stops the run.
     """
 
-    def __init__(self, patience: int = 0, min_delta: float = 0.01, stop_on: Iterable[str] = ()):
+    def __init__(self, patience: int = 0, min_delta: float = 0.01, stop_on: Iterable[str] = (),
+                 signal: str = "val/pass_rate"):
         if patience < 0 or min_delta < 0:
             raise UserInputError(f"stop_patience ({patience}) and stop_min_delta ({min_delta}) must be >= 0",
                                  "stop_patience / stop_min_delta")
         self.patience = patience
         self.min_delta = min_delta
         self.stop_on = tuple(stop_on)
+        self.signal = signal  # the held-out metric it watches (val/reward when there is no verifier)
         self.best: tuple[int, float] | None = None  # (step, pass rate) of the last improvement
         self.since_best: list[tuple[int, float]] = []  # evaluations after it
         self.reason: str | None = None
@@ -52,7 +54,7 @@ class StoppingRule:
         self.since_best.append((step, pass_rate))
         if self.patience and len(self.since_best) >= self.patience and self.reason is None:
             seen = ", ".join(f"{rate:.3g} (step {s})" for s, rate in self.since_best)
-            self.reason = (f"val/pass_rate did not rise by {self.min_delta:.3g} over its best {self.best[1]:.3g} "
+            self.reason = (f"{self.signal} did not rise by {self.min_delta:.3g} over its best {self.best[1]:.3g} "
                            f"(step {self.best[0]}) in {self.patience} evaluations: {seen}")
 
     def observe_alarms(self, alarms: Iterable[dict]) -> None:

@@ -1,12 +1,17 @@
-"""Reward sources behind one call: `source(prompts, responses, items) -> Scored`.
+"""Reward sources and verifiers behind one call each.
 
     reward = CombinedReward([(CheckerReward(), 1.0), (ModelReward(rm, rm_tokenizer), 0.5)])
-    out = reward(prompts, responses, items)   # out.scores (B,), out.valid (B,)
+    out = reward(prompts, responses, rows)   # out.scores (B,), out.valid (B,)
+    checks = verifier(prompts, responses, rows)   # [Check(passed, kind, reason), ...]
+
+A user's own functions (TRL's `reward_funcs` signature) become sources with
+`FunctionReward(load_function("my_rewards.py:exact"))` and verifiers with `FunctionVerifier`.
 """
 
-from rlhflab.rewards.base import RewardSource, Scored, as_scored
-from rlhflab.rewards.checker import CheckerReward
+from rlhflab.rewards.base import Check, RewardSource, Scored, Verifier, as_scored
+from rlhflab.rewards.checker import CheckerReward, CheckerVerifier, task_item
 from rlhflab.rewards.combine import CombinedReward
+from rlhflab.rewards.functions import FunctionReward, FunctionVerifier, load_function
 from rlhflab.rewards.model import ModelReward, random_model_reward
 
 # config name -> constructor
@@ -19,11 +24,18 @@ REWARD_KINDS = {
 
 __all__ = [
     "REWARD_KINDS",
+    "Check",
     "CheckerReward",
+    "CheckerVerifier",
     "CombinedReward",
+    "FunctionReward",
+    "FunctionVerifier",
     "ModelReward",
     "RewardSource",
     "Scored",
+    "Verifier",
     "as_scored",
+    "load_function",
     "random_model_reward",
+    "task_item",
 ]

@@ -9,7 +9,16 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from rlhflab.tasks import TaskItem
+from rlhflab.data.prompt_rows import PromptRow
+
+
+@dataclass(frozen=True)
+class Check:
+    """A verifier's judgement on one completion."""
+
+    passed: bool
+    kind: str  # "pass", or why it failed: a violation kind of the suite, "fail", "unverified", ...
+    reason: str = ""  # short, human-readable
 
 
 @dataclass(frozen=True)
@@ -25,15 +34,26 @@ class Scored:
 
 
 class RewardSource(Protocol):
-    """prompts, responses (text up to EOS, EOS excluded) and task items (None when unknown) -> Scored."""
+    """prompts, responses (text up to EOS, EOS excluded) and the prompt rows they answer -> Scored."""
 
-    def __call__(self, prompts: list[str], responses: list[str], items: Sequence[TaskItem | None]) -> Scored: ...
+    def __call__(self, prompts: list[str], responses: list[str], rows: Sequence[PromptRow]) -> Scored: ...
 
 
-def check_lengths(prompts: Sequence, responses: Sequence, items: Sequence) -> int:
+class Verifier(Protocol):
+    """Pass / fail per completion: what validation pass rates, alarms, stopping and keep_best read.
+
+    `ended_with_eos[b]` says whether completion b ended by EOS (False: cut at the length cap)."""
+
+    name: str
+
+    def __call__(self, prompts: list[str], completions: list[str], rows: Sequence[PromptRow],
+                 ended_with_eos: Sequence[bool] | None = None) -> list[Check]: ...
+
+
+def check_lengths(prompts: Sequence, responses: Sequence, rows: Sequence) -> int:
     """B, after checking the three lists line up."""
-    if not len(prompts) == len(responses) == len(items):
-        raise ValueError(f"got {len(prompts)} prompts, {len(responses)} responses and {len(items)} items")
+    if not len(prompts) == len(responses) == len(rows):
+        raise ValueError(f"got {len(prompts)} prompts, {len(responses)} responses and {len(rows)} rows")
     return len(prompts)
 
 

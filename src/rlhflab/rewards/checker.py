@@ -1,4 +1,8 @@
-"""Verifiable reward: the task's own exact checker (RL from verifiable rewards)."""
+"""The built-in suite's exact checker, as a verifiable reward and as a verifier.
+
+It reads the prompt row's `family` and `reference` columns (the suite's prompt source sets
+them; `rlhflab tasks export` writes them too), so it also checks a user file in that format.
+"""
 
 from __future__ import annotations
 
@@ -6,8 +10,19 @@ from collections.abc import Sequence
 
 import torch
 
-from rlhflab.rewards.base import Scored, check_lengths, scored
-from rlhflab.tasks import TaskItem, check
+from rlhflab.data.prompt_rows import PromptRow
+from rlhflab.rewards.base import Check, Scored, check_lengths, scored
+from rlhflab.tasks import FAMILIES, TaskItem, check
+
+
+def task_item(row: PromptRow | TaskItem | None) -> TaskItem | None:
+    """The suite item a prompt row describes; None when it has no known `family` or no `reference`."""
+    if row is None or isinstance(row, TaskItem):
+        return row
+    family, reference = row.columns.get("family"), row.columns.get("reference")
+    if family not in FAMILIES or not isinstance(reference, str):
+        return None
+    return TaskItem(family, row.prompt, reference, tuple(row.columns.get("content") or ()))
 
 
 class CheckerReward:
@@ -21,13 +36,34 @@ class CheckerReward:
         self.pass_score = pass_score
         self.fail_score = fail_score
 
-    def __call__(self, prompts: list[str], responses: list[str], items: Sequence[TaskItem | None]) -> Scored:
-        n = check_lengths(prompts, responses, items)
+    def __call__(self, prompts: list[str], responses: list[str], rows: Sequence[PromptRow | TaskItem | None]) -> Scored:
+        n = check_lengths(prompts, responses, rows)
         scores = torch.zeros(n)
         valid = torch.zeros(n, dtype=torch.bool)
-        for i, (response, item) in enumerate(zip(responses, items)):
+        for i, (response, row) in enumerate(zip(responses, rows)):
+            item = task_item(row)
             if item is None:
                 continue
             scores[i] = self.pass_score if check(item, response).passed else self.fail_score
             valid[i] = True
         return scored(scores, valid)
+
+
+class CheckerVerifier:
+    """The suite's checker as the verifier of validation and evaluation (a row without an item fails)."""
+
+    name = "checker"
+
+    def __call__(self, prompts: list[str], completions: list[str], rows: Sequence[PromptRow | TaskItem | None],
+                 ended_with_eos: Sequence[bool] | None = None) -> list[Check]:
+        check_lengths(prompts, completions, rows)
+        ended = ended_with_eos if ended_with_eos is not None else [True] * len(completions)
+        checks = []
+        for completion, row, eos in zip(completions, rows, ended):
+            item = task_item(row)
+            if item is None:
+                checks.append(Check(False, "unverified", "no suite family / reference to check against"))
+                continue
+            verdict = check(item, completion, eos)
+            checks.append(Check(verdict.passed, verdict.kind, verdict.reason))
+        return checks

@@ -7,8 +7,8 @@ from collections.abc import Sequence
 import torch
 
 from rlhflab.errors import UserInputError
+from rlhflab.data.prompt_rows import PromptRow
 from rlhflab.rewards.base import RewardSource, Scored, check_lengths, scored
-from rlhflab.tasks import TaskItem
 
 
 class CombinedReward:
@@ -20,12 +20,12 @@ class CombinedReward:
                                  where="reward sources", fix="e.g. [(CheckerReward(), 1.0), (ModelReward(...), 0.5)]")
         self.sources = list(sources)
 
-    def __call__(self, prompts: list[str], responses: list[str], items: Sequence[TaskItem | None]) -> Scored:
-        n = check_lengths(prompts, responses, items)
+    def __call__(self, prompts: list[str], responses: list[str], rows: Sequence[PromptRow]) -> Scored:
+        n = check_lengths(prompts, responses, rows)
         total = torch.zeros(n)
         valid = torch.ones(n, dtype=torch.bool)
         for source, weight in self.sources:
-            part = source(prompts, responses, items)
+            part = source(prompts, responses, rows)
             total = total + weight * part.scores
             valid = valid & part.valid
         return scored(total, valid)

@@ -16,9 +16,9 @@ from torch import nn
 
 from rlhflab.data import encode_prompts
 from rlhflab.errors import UserInputError
+from rlhflab.data.prompt_rows import PromptRow
 from rlhflab.models import build_random_reward_model, sequence_scores
 from rlhflab.rewards.base import Scored, check_lengths, scored
-from rlhflab.tasks import TaskItem
 
 logger = logging.getLogger(__name__)
 
@@ -58,8 +58,8 @@ class ModelReward:
         return rows
 
     @torch.no_grad()
-    def __call__(self, prompts: list[str], responses: list[str], items: Sequence[TaskItem | None]) -> Scored:
-        check_lengths(prompts, responses, items)
+    def __call__(self, prompts: list[str], responses: list[str], rows: Sequence[PromptRow]) -> Scored:
+        check_lengths(prompts, responses, rows)
         rows = self.encode(prompts, responses)
         device = next(self.reward_model.parameters()).device
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id

@@ -27,9 +27,10 @@ import time
 import torch
 from tqdm.auto import tqdm
 
-from rlhflab import core, data, rewards, tasks
+from rlhflab import core, data, rewards, sources
 from rlhflab.checkpoint import Checkpointer, open_run
 from rlhflab.config import PPOConfig
+from rlhflab.data.prompt_rows import PromptRow
 from rlhflab.core import KL_ESTIMATORS, clipped_value_loss, gae, masked_mean, ppo_policy_loss, whiten
 from rlhflab.core.logprobs import selective_log_softmax
 from rlhflab.errors import UserInputError
@@ -40,7 +41,7 @@ from rlhflab.tracking import RunDir, RunResult
 from rlhflab.trainers.ppo_eval import PPOEvaluator
 from rlhflab.trainers.ppo_monitor import Monitor, RunWatch
 from rlhflab.trainers.ppo_save import save_ppo_models
-from rlhflab.trainers.ppo_setup import build_reward, build_roles, check_ppo_config
+from rlhflab.trainers.ppo_setup import build_reward, build_roles, build_verifier, check_ppo_config, reward_kind
 from rlhflab.trainers.nonfinite import clip_and_step
 from rlhflab.trainers.ppo_state import PPOProgress, pack_ppo, unpack_ppo
 from rlhflab.trainers.setup import configure_allocator, configure_threads, make_optimizer, make_scheduler
@@ -55,10 +56,16 @@ def kl_controller(cfg: PPOConfig):
     return core.FixedKLController(cfg.kl_coef)
 
 
-def score_rollout(rollout: Rollout, reward_fn, tokenizer, items: list[tasks.TaskItem], penalty: float):
+def sampling_seed(seed: int) -> int:
+    """Seed of the token-sampling generator: its own stream, not the prompt-order one's (same `seed`
+    in both gave identical streams on CPU, so the order of prompts and the sampled tokens were tied)."""
+    return seed ^ 0x5EED5EED
+
+
+def score_rollout(rollout: Rollout, reward_fn, tokenizer, rows: list[PromptRow], penalty: float):
     """(B,) scores with the missing-EOS penalty, and (B,) validity of each row."""
     texts = decode_responses(tokenizer, rollout.response_ids, rollout.response_mask, tokenizer.eos_token_id)
-    scored = rewards.as_scored(reward_fn([i.prompt for i in items], texts, items))
+    scored = rewards.as_scored(reward_fn([r.prompt for r in rows], texts, rows))
     if scored.scores.shape != (rollout.batch_size,):
         raise UserInputError(f"the reward returned {tuple(scored.scores.shape)} scores for {rollout.batch_size} responses",
                              "reward_fn", "return one score per response, in the order given")
@@ -170,8 +177,9 @@ def average_stats(history: list[dict]) -> dict:
 def rollout_metrics(rollout, scores, kl, non_score, returns, kl_coef, valid, prompt_keys: list[int]) -> dict:
     """Per-update metrics of the rollout (README "Metrics"); `prompt_keys[b]` names row b's prompt."""
     mask = rollout.response_mask
+    scored_mask = mask & valid.unsqueeze(1)  # rows the reward failed on are out of the update
     lengths = mask.sum(dim=1).float()
-    kl_seq = (kl * mask).sum(dim=1)[valid]  # rows the reward failed on are out of the update
+    kl_seq = (kl * mask).sum(dim=1)[valid]
     non_score_seq = (non_score * mask).sum(dim=1)
     return {
         "objective/scores": scores[valid].mean().item() if valid.any() else float("nan"),
@@ -179,7 +187,7 @@ def rollout_metrics(rollout, scores, kl, non_score, returns, kl_coef, valid, pro
         "objective/non_score_reward": non_score_seq[valid].mean().item(),
         "objective/rlhf_reward": (scores + non_score_seq)[valid].mean().item() if valid.any() else float("nan"),
         "objective/entropy": masked_mean(rollout.entropy, mask).item(),
-        "val/explained_variance": core.explained_variance(rollout.values, returns, mask).item(),
+        "val/explained_variance": core.explained_variance(rollout.values, returns, scored_mask).item(),
         "val/num_eos_tokens": int(rollout.ended_with_eos.sum().item()),
         "response/length_mean": lengths.mean().item(),
         "reward/invalid_rows": int((~valid).sum().item()),
@@ -191,8 +199,11 @@ def rollout_metrics(rollout, scores, kl, non_score, returns, kl_coef, valid, pro
 def train(cfg: PPOConfig, run: RunDir | None = None, reward_fn=None, monitor: Monitor | None = None) -> RunResult:
     """Run PPO as configured; returns the run folder and the HF policy folder it wrote.
 
-    `reward_fn(prompts, responses, items)` overrides `cfg.reward`: any callable returning
+    Prompts come from `cfg.train_file` / `validation_file`, or the built-in suite (`sources.prompt_splits`).
+    `reward_fn(prompts, responses, rows)` overrides the configured reward: any callable returning
     a `rewards.Scored` or a list of floats (NaN / None marks a row the reward failed on).
+    Validation reads the verifier (`cfg.verifier`; the suite's checker on the suite) or, without one,
+    the reward's mean on the validation answers.
     `monitor` (e.g. `rlhflab.eval.RunMonitor.from_config(cfg)`) sees every logged row, may
     raise alarms and stop the run; with it the best-validation policy is kept and saved
     if the run ends below it (`cfg.keep_best`). Without it no alarm, stop or restore happens.
@@ -203,12 +214,13 @@ def train(cfg: PPOConfig, run: RunDir | None = None, reward_fn=None, monitor: Mo
     configure_allocator(cfg.mmap_threshold_mib)
     seed_everything(cfg.seed, cfg.deterministic)
     roles, tokenizer = build_roles(cfg)
-    splits = tasks.build_splits(cfg.split_seed, cfg.num_train_prompts, cfg.num_validation_prompts, cfg.num_test_prompts)
-    train_items = splits["train"]
+    prompts = sources.prompt_splits(cfg, tokenizer)
+    train_rows = prompts.train
+    verifier = build_verifier(cfg, prompts)
     normalisation: dict = {}
     if reward_fn is None:
-        reward_fn, normalisation = build_reward(cfg, tokenizer, roles.policy, train_items[: cfg.calibration_prompts])
-    prompt_ids = data.encode_prompts(tokenizer, [i.prompt for i in train_items])
+        reward_fn, normalisation = build_reward(cfg, tokenizer, roles.policy, train_rows[: cfg.calibration_prompts])
+    prompt_ids = data.encode_prompts(tokenizer, [r.prompt for r in train_rows])
     run, resumed = open_run(cfg, "ppo") if run is None else (run, None)
 
     num_updates = cfg.total_episodes // cfg.batch_size
@@ -217,14 +229,17 @@ def train(cfg: PPOConfig, run: RunDir | None = None, reward_fn=None, monitor: Mo
     kl_ctl = kl_controller(cfg)
     generator = torch.Generator().manual_seed(cfg.seed)  # prompt order and minibatches
     device = next(roles.policy.parameters()).device
-    sampler = torch.Generator(device=device).manual_seed(cfg.seed)  # token sampling, on the model's device
+    sampler = torch.Generator(device=device).manual_seed(sampling_seed(cfg.seed))  # token sampling, on the model's device
     # Rollouts sample from the full softmax: with top-k / top-p the sampling policy would
     # not be the one whose log-probs PPO uses. top_k / top_p apply to evaluation only.
     settings = GenerationSettings(cfg.response_length, True, cfg.temperature, top_k=0, top_p=1.0)
     # one minibatch of one micro-batch: the rollout's policy forward is also the first training forward
     keep_graph = cfg.reuse_rollout_forward and cfg.num_mini_batches == 1 and cfg.gradient_accumulation_steps == 1
-    evaluator = PPOEvaluator(splits["validation"], tokenizer, cfg, run)
-    watch = RunWatch(monitor, run, roles, cfg.keep_best)
+    evaluator = PPOEvaluator(prompts.validation, tokenizer, cfg, run, verifier, reward_fn)
+    signal = evaluator.signal  # val/pass_rate (verifier) or val/reward: what keep_best and the monitor read
+    if getattr(monitor, "signal", signal) != signal:
+        raise ValueError(f"the monitor watches {monitor.signal} but this run's held-out signal is {signal}")
+    watch = RunWatch(monitor, run, roles, cfg.keep_best, signal)
     generators = {"order": generator, "sampler": sampler}
     # wall time split for summary.json: loading and building, the updates themselves (steps 1-7 up
     # to logging: what a throughput figure divides by), evaluations, checkpoints + the final save
@@ -249,16 +264,16 @@ def train(cfg: PPOConfig, run: RunDir | None = None, reward_fn=None, monitor: Mo
             t0 = time.time()
             # 1. sample prompts: shuffled passes over the train split
             while len(order) < cfg.batch_size:
-                order.extend(torch.randperm(len(train_items), generator=generator).tolist())
+                order.extend(torch.randperm(len(train_rows), generator=generator).tolist())
             batch_ids, order = order[: cfg.batch_size], order[cfg.batch_size :]
-            items = [train_items[i] for i in batch_ids]
+            rows = [train_rows[i] for i in batch_ids]
             # 2. rollout: generate, then old / reference log-probs and values in one pass each
             rollout = collect_rollout(roles, [prompt_ids[i] for i in batch_ids], pad_id=tokenizer.pad_token_id,
                                       eos_id=tokenizer.eos_token_id, settings=settings, generator=sampler,
                                       keep_graph=keep_graph)
             t1 = time.time()
             # 3. scores, with the missing-EOS penalty; rows the reward failed on are masked out
-            scores, valid = score_rollout(rollout, reward_fn, tokenizer, items, cfg.missing_eos_penalty)
+            scores, valid = score_rollout(rollout, reward_fn, tokenizer, rows, cfg.missing_eos_penalty)
             if not valid.any():
                 raise FloatingPointError(f"update {update}: the reward source failed on every row of the batch")
             mask = rollout.response_mask & valid.unsqueeze(1)
@@ -307,8 +322,8 @@ def train(cfg: PPOConfig, run: RunDir | None = None, reward_fn=None, monitor: Mo
             if (cfg.eval_every and update % cfg.eval_every == 0) or update == num_updates:
                 last_eval = evaluator.evaluate(roles.policy, step=update, episode=episode)
                 watch.observe(update, last_eval)
-                bar.set_postfix(pass_rate=f"{last_eval['val/pass_rate']:.2f}", kl=f"{last['objective/kl']:.2f}",
-                                score=f"{last['objective/scores']:.2f}")
+                bar.set_postfix({signal.removeprefix("val/"): f"{last_eval[signal]:.2f}",
+                                 "kl": f"{last['objective/kl']:.2f}", "score": f"{last['objective/scores']:.2f}"})
             t5 = time.time()
             walls["evaluation"] += t5 - t4
             # 8. the monitor's stopping rule (validation patience, or an alarm listed in stop_on_alarms)
@@ -322,20 +337,53 @@ def train(cfg: PPOConfig, run: RunDir | None = None, reward_fn=None, monitor: Mo
         finished = True
         saver.finish(done, pack)  # before the best policy may be restored: a resume continues from `done`
 
-    monitored = watch.finish(done, last_eval["val/pass_rate"])  # restores the best policy when it should
+    monitored = watch.finish(done, last_eval[signal])  # restores the best policy when it should
     model_dir = save_ppo_models(roles, tokenizer, run.path)
     walls["save"] += time.time() - t6
+    held_out = saved_policy_numbers(first, last_eval, last, monitored, signal)
     summary = run.update_summary(
-        stage="ppo", reward=cfg.reward, reward_normalisation=normalisation, updates=done, episodes=episode,
-        validation_pass_rate={"start": first["val/pass_rate"], "end": last_eval["val/pass_rate"]},
-        final={k: last[k] for k in ("objective/kl", "objective/scores", "objective/rlhf_reward", "eps",
-                                    "response/length_mean", "kl_coef")},
+        stage="ppo", reward=reward_kind(cfg), reward_functions=[s for s in cfg.reward_fn.split(",") if s.strip()],
+        reward_normalisation=normalisation, prompts=prompts.source,
+        held_out=held_out_description(signal, verifier), updates=done, episodes=episode, **held_out,
         wall_time_s={**{k: round(v, 3) for k, v in walls.items()}, "total": round(time.time() - started, 3)},
         model_dir=str(model_dir), **monitored,
         nonfinite={"mode": cfg.nonfinite, "skipped_updates": skipped},
     )
     run.close()
     return RunResult(run.path, summary, model_dir)
+
+
+FINAL_KEYS = ("objective/kl", "objective/scores", "objective/rlhf_reward", "eps", "response/length_mean", "kl_coef")
+
+
+def saved_policy_numbers(first: dict, last_eval: dict, last: dict, monitored: dict, signal: str) -> dict:
+    """summary.json's held-out start / end and "final" training numbers, of the policy actually saved.
+
+    When keep_best restored an earlier update, "end" is that update's evaluation and "final" its
+    training row (KL, scores, length): not the numbers of the discarded last update. Restoring
+    update 0 (the starting policy) has no training row: its KL to the reference is 0 by definition.
+    """
+    end, final_row = last_eval[signal], last
+    best = monitored.get("best")
+    if best and best.get("restored"):
+        end = best[signal]
+        final_row = best["update_row"] or {"objective/kl": 0.0}
+    if best:
+        best.pop("update_row", None)
+    name = "validation_pass_rate" if signal == "val/pass_rate" else "validation_reward"
+    return {name: {"start": first[signal], "end": end},
+            "final": {k: final_row.get(k) for k in FINAL_KEYS},
+            "final_is": "restored best update" if best and best.get("restored") else "last update"}
+
+
+def held_out_description(signal: str, verifier) -> dict:
+    """What the held-out numbers mean, in words the report repeats."""
+    if verifier is not None:
+        return {"metric": signal, "verifier": getattr(verifier, "name", type(verifier).__name__),
+                "note": "pass rate of the validation answers by the verifier, an independent check"}
+    return {"metric": signal, "verifier": None,
+            "note": "no verifier: the held-out signal is the reward's mean on the validation answers, i.e. the "
+                    "reward's own opinion, not an independent check; read it with the KL to the reference"}
 
 
 def _ppo_names(stats: dict) -> dict:

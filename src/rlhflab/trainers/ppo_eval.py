@@ -1,4 +1,9 @@
-"""PPO's periodic check: validation pass rate, fixed prompts' answers as samples, and a console table.
+"""PPO's periodic check on the validation prompts: the held-out signal, samples and a console table.
+
+With a verifier (the suite's checker, or `--verifier`) the signal is `val/pass_rate` (and
+`val/pass_rate/<family>` when rows have a `family` column). Without one it is `val/reward`,
+the training reward's mean on the validation answers (missing-EOS penalty included): the
+reward's own opinion of held-out answers, not an independent check. The report says so.
 
 The table (`console_samples` answers, every evaluation) is for the person watching: a rising
 score with answers that read wrong is reward hacking caught by eye, long before the curves
@@ -11,9 +16,10 @@ from __future__ import annotations
 import io
 import logging
 
-from rlhflab import tasks
+from rlhflab import rewards
+from rlhflab.data.prompt_rows import PromptRow
 from rlhflab.tracking import RunDir
-from rlhflab.trainers.validation import checked_answers, pass_rate_table
+from rlhflab.trainers.validation import answer_rows, pass_rate_table, verify_rows
 
 log = logging.getLogger("rlhflab")
 
@@ -21,27 +27,57 @@ log = logging.getLogger("rlhflab")
 class PPOEvaluator:
     """Same prompts and decoding at every evaluation, so the curve compares like with like."""
 
-    def __init__(self, validation_items: list[tasks.TaskItem], tokenizer, cfg, run: RunDir):
-        self.items = validation_items[: cfg.eval_prompts]
+    def __init__(self, validation: list[PromptRow], tokenizer, cfg, run: RunDir,
+                 verifier: rewards.Verifier | None, reward_fn=None):
+        if verifier is None and reward_fn is None:
+            raise ValueError("PPOEvaluator needs a verifier or a reward source")
+        self.rows = validation[: cfg.eval_prompts]
         self.tokenizer = tokenizer
         self.cfg = cfg
         self.run = run
+        self.verifier = verifier
+        self.reward_fn = reward_fn
+
+    @property
+    def signal(self) -> str:
+        """The metric that validation, alarms, stopping and keep_best read."""
+        return "val/pass_rate" if self.verifier is not None else "val/reward"
 
     def evaluate(self, policy, step: int, episode: int) -> dict:
-        rows = checked_answers(policy, self.tokenizer, self.items, self.cfg)
-        self.run.add_samples({"step": step, "episode": episode, **row} for row in rows[: self.cfg.sample_prompts])
-        table = pass_rate_table(rows)
-        metrics = {"val/pass_rate": table["overall"], "episode": episode,
-                   **{f"val/pass_rate/{family}": rate for family, rate in table["per_family"].items()}}
+        answered = answer_rows(policy, self.tokenizer, self.rows, self.cfg)
+        if self.verifier is not None:
+            answered = verify_rows(answered, self.rows, self.verifier)
+            metrics, headline = self._pass_rates(answered)
+        else:
+            metrics, headline = self._rewards(answered)
+        self.run.add_samples({"step": step, "episode": episode, **row} for row in answered[: self.cfg.sample_prompts])
+        metrics["episode"] = episode
         self.run.log(metrics, step=step)
-        if self.cfg.console_samples > 0 and rows:
-            title = f"update {step} (episode {episode}): validation pass rate {table['overall']:.1%}"
-            log.info("sample answers\n%s", samples_table(rows[: self.cfg.console_samples], title))
+        if self.cfg.console_samples > 0 and answered:
+            title = f"update {step} (episode {episode}): {headline}"
+            log.info("sample answers\n%s", samples_table(answered[: self.cfg.console_samples], title))
         return metrics
+
+    def _pass_rates(self, answered: list[dict]) -> tuple[dict, str]:
+        table = pass_rate_table(answered)
+        families = table["per_family"] if len(table["per_family"]) > 1 or "all" not in table["per_family"] else {}
+        metrics = {"val/pass_rate": table["overall"], **{f"val/pass_rate/{f}": r for f, r in families.items()}}
+        return metrics, f"validation pass rate {table['overall']:.1%}"
+
+    def _rewards(self, answered: list[dict]) -> tuple[dict, str]:
+        out = rewards.as_scored(self.reward_fn([a["prompt"] for a in answered], [a["answer"] for a in answered],
+                                               self.rows[: len(answered)]))
+        penalty = self.cfg.missing_eos_penalty
+        for row, score, valid in zip(answered, out.scores.tolist(), out.valid.tolist()):
+            row["score"] = score - penalty * (not row["ended_with_eos"]) if valid else None
+        scored = [a["score"] for a in answered if a["score"] is not None]
+        mean = sum(scored) / len(scored) if scored else float("nan")
+        metrics = {"val/reward": mean, "val/reward_unscored": len(answered) - len(scored)}
+        return metrics, f"validation reward {mean:.3f} (the reward's own opinion: no verifier)"
 
 
 def samples_table(rows: list[dict], title: str, width: int = 110) -> str:
-    """A compact `rich` table (prompt, answer, verdict) rendered to plain text for the log.
+    """A compact `rich` table (prompt, answer, verdict or score) rendered to plain text for the log.
 
     rich is imported here only; model text goes in as `Text`, so brackets in an answer are
     never read as rich markup.
@@ -56,8 +92,13 @@ def samples_table(rows: list[dict], title: str, width: int = 110) -> str:
     table.add_column("answer", max_width=40, overflow="fold")
     table.add_column("verdict", no_wrap=True)
     for row in rows:
-        verdict = "pass" if row["passed"] else f"FAIL {row.get('kind') or ''}".strip()
-        table.add_row(Text(" ".join(row["prompt"].split())), Text(row["answer"]), Text(verdict))
+        table.add_row(Text(" ".join(row["prompt"].split())), Text(row["answer"]), Text(_verdict(row)))
     console = Console(file=io.StringIO(), width=width, color_system=None, force_terminal=False)
     console.print(table)
     return "\n".join(line.rstrip() for line in console.file.getvalue().splitlines() if line.strip())
+
+
+def _verdict(row: dict) -> str:
+    if "passed" in row:
+        return "pass" if row["passed"] else f"FAIL {row.get('kind') or ''}".strip()
+    return "unscored" if row.get("score") is None else f"score {row['score']:.3f}"

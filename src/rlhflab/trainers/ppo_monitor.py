@@ -30,7 +30,7 @@ class Monitor(Protocol):
 
 
 class BestPolicy:
-    """CPU copy of every trainable tensor (policy, LoRA adapters, value head) at the best pass rate.
+    """CPU copy of every trainable tensor (policy, LoRA adapters, value head) at the best held-out value.
 
     A copy of the trainable parameters only (adapters alone under LoRA); fine at the
     sizes this library trains on one machine. Full checkpoints are `rlhflab.checkpoint`'s job.
@@ -40,13 +40,14 @@ class BestPolicy:
         self.params = roles.trainable_parameters()
         self.state: list[torch.Tensor] | None = None
         self.step: int | None = None
-        self.pass_rate = float("-inf")
+        self.pass_rate = float("-inf")  # the held-out signal's value (val/pass_rate, or val/reward)
+        self.update_row: dict = {}  # the training metrics logged at `step` (empty for step 0)
 
-    def offer(self, step: int, pass_rate: float) -> None:
+    def offer(self, step: int, pass_rate: float, update_row: dict) -> None:
         """Keep the current parameters when `pass_rate` beats every earlier one (ties keep the earlier)."""
         if pass_rate > self.pass_rate:
             self.state = [p.detach().to("cpu", copy=True) for p in self.params]
-            self.step, self.pass_rate = step, pass_rate
+            self.step, self.pass_rate, self.update_row = step, pass_rate, dict(update_row)
 
     @torch.no_grad()
     def restore(self) -> None:
@@ -57,8 +58,11 @@ class BestPolicy:
 class RunWatch:
     """The loop's side of monitoring; every method is a no-op when `monitor` is None."""
 
-    def __init__(self, monitor: Monitor | None, run: RunDir, roles: PolicyRoles, keep_best: bool):
+    def __init__(self, monitor: Monitor | None, run: RunDir, roles: PolicyRoles, keep_best: bool,
+                 signal: str = "val/pass_rate"):
         self.monitor = monitor
+        self.signal = signal  # the held-out metric the best policy is chosen by
+        self.update_rows: dict[int, dict] = {}  # latest training row per step, for the best policy's summary
         self.run = run
         self.best = BestPolicy(roles) if monitor is not None and keep_best else None
         self.alarms: list[dict] = []
@@ -70,8 +74,10 @@ class RunWatch:
         if self.monitor is None:
             return
         self.observed.append((step, dict(metrics)))
-        if self.best is not None and "val/pass_rate" in metrics:
-            self.best.offer(step, float(metrics["val/pass_rate"]))
+        if self.signal not in metrics:
+            self.update_rows = {step: dict(metrics)}
+        elif self.best is not None:
+            self.best.offer(step, float(metrics[self.signal]), self.update_rows.get(step, {}))
         for alarm in self.monitor.observe(step, metrics):
             self.alarms.append(alarm)
             self.run.log({f"alarm/{alarm['name']}": 1}, step=step)
@@ -81,7 +87,8 @@ class RunWatch:
         """What a checkpoint keeps: alarms so far, the rows the monitor saw, the best policy's tensors."""
         best = None
         if self.best is not None and self.best.state is not None:
-            best = {"step": self.best.step, "pass_rate": self.best.pass_rate, "params": self.best.state}
+            best = {"step": self.best.step, "pass_rate": self.best.pass_rate, "params": self.best.state,
+                    "update_row": self.best.update_row}
         return {"alarms": self.alarms, "stopped": self.stopped, "observed": self.observed, "best": best}
 
     def load_state_dict(self, state: dict) -> None:
@@ -91,9 +98,12 @@ class RunWatch:
         if self.monitor is not None:
             for step, row in self.observed:
                 self.monitor.observe(step, row)
+                if self.signal not in row:
+                    self.update_rows = {step: dict(row)}
         if self.best is not None and state["best"] is not None:
             self.best.step, self.best.pass_rate = state["best"]["step"], state["best"]["pass_rate"]
             self.best.state = [t.clone() for t in state["best"]["params"]]
+            self.best.update_row = dict(state["best"].get("update_row") or {})
 
     def should_stop(self, step: int, episode: int) -> bool:
         reason = self.monitor.stop_reason() if self.monitor is not None else None
@@ -105,7 +115,9 @@ class RunWatch:
     def finish(self, step: int, end_pass_rate: float) -> dict:
         """Restore the best policy if the run stopped early or ended below it; summary fields to record.
 
-        `step` is the last update trained, `end_pass_rate` the last evaluation's pass rate.
+        `step` is the last update trained, `end_pass_rate` the last evaluation's held-out value.
+        Under "best", `restored` says whether the saved policy is the best one, `update_row` holds the
+        training metrics logged at its update (what summary.json's "final" must then describe).
         """
         if self.monitor is None:
             return {}
@@ -115,7 +127,8 @@ class RunWatch:
             restored = below and self.best.step != step
             if restored:
                 self.best.restore()
-                log.info("restored the policy of update %d (val/pass_rate %.3f) before saving",
-                         self.best.step, self.best.pass_rate)
-            fields["best"] = {"step": self.best.step, "val/pass_rate": self.best.pass_rate, "restored": restored}
+                log.info("restored the policy of update %d (%s %.3f) before saving",
+                         self.best.step, self.signal, self.best.pass_rate)
+            fields["best"] = {"step": self.best.step, self.signal: self.best.pass_rate, "restored": restored,
+                              "update_row": self.best.update_row}
         return fields
