@@ -89,6 +89,30 @@ class DataFields:
 
 
 @dataclass(frozen=True)
+class PromptFileFields:
+    """Prompts of the online stages (rlhflab.sources): a user's file or dataset, else the built-in suite."""
+
+    train_file: str = arg("", "training prompts: JSONL, Parquet, a save_to_disk folder or a datasets name, in TRL's "
+                              "prompt-only format (other columns go to reward / verifier functions); empty = built-in suite")
+    validation_file: str = arg("", "validation prompts, same formats; empty = a seeded slice of the train prompts "
+                                   "(or the suite's validation split)")
+    max_prompt_tokens: int = arg(96, "prompts longer than this are bad rows")
+    strict: bool = arg(False, "fail on the first bad data row instead of dropping bad rows")
+
+
+@dataclass(frozen=True)
+class RewardFunctionFields:
+    """A practitioner's reward and verifier functions (TRL's reward_funcs signature; README "Your own data")."""
+
+    reward_fn: str = arg("", "your reward functions, comma-separated FILE.py:NAME or package.module:NAME; called as "
+                             "fn(prompts, completions, **columns) -> list of float or None (None: row left out)")
+    reward_weights: str = arg("", "comma-separated weights of the --reward_fn functions; empty = 1 each")
+    verifier: str = arg("", "pass / fail function (same signature, returns bools) that validation, alarms, stopping "
+                            "and keep_best read; 'checker' = the suite's checker; empty = the checker on the suite, "
+                            "none on your own prompts (then the held-out signal is the reward itself)")
+
+
+@dataclass(frozen=True)
 class OptimFields:
     learning_rate: float = arg(2e-3, "peak AdamW learning rate")
     weight_decay: float = arg(0.0, "AdamW weight decay")
@@ -198,13 +222,15 @@ class MonitorFields:
 
 
 @dataclass(frozen=True)
-class PPOConfig(MonitorFields, CheckpointFields, RunFields, ModelFields, SuiteFields, LoraFields, OptimFields,
-                GenerationFields):
+class PPOConfig(MonitorFields, CheckpointFields, RunFields, ModelFields, SuiteFields, PromptFileFields,
+                RewardFunctionFields, LoraFields, OptimFields, GenerationFields):
     """`rlhflab ppo`: PPO-RLHF with policy, reference, reward and value roles."""
 
     # the roles
     reference: str = arg("", "reference model folder; empty = the policy's starting weights")
-    reward: Literal["checker", "model", "combined", "random"] = arg("checker", "reward source")
+    reward: Literal["auto", "checker", "model", "combined", "random"] = arg(
+        "auto", "reward source: auto = the reward model and/or --reward_fn functions when given, else the suite's "
+                "checker; checker / model / combined (checker + model) / random; --reward_fn adds to any of them")
     reward_model: str = arg("", "reward model folder (sequence classifier with one output)")
     checker_weight: float = arg(1.0, "weight of the checker reward in reward=combined")
     reward_model_weight: float = arg(1.0, "weight of the reward model in reward=combined")
