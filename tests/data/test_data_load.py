@@ -85,5 +85,6 @@ def test_unsupported_extension_and_plain_folder(tmp_path):
     with pytest.raises(UserInputError, match="unsupported data file type '.csv'"):
         read_records(tmp_path / "data.csv")
     (tmp_path / "empty_dir").mkdir()
-    with pytest.raises(UserInputError, match="not a saved Hugging Face dataset"):
+    with pytest.raises(UserInputError, match="folder is neither a saved Hugging Face dataset nor a "
+                                             "folder of data files datasets can read"):
         read_records(tmp_path / "empty_dir")

@@ -32,9 +32,9 @@ SFT_LINES = [
 EXPECTED_SFT_PROBLEMS = [
     ("3", "malformed JSON", "malformed JSON line (Expecting property name enclosed in double "
                             "quotes at column 22)"),
-    ("5", "missing field", "missing field 'completion'; the row has columns 'prompt'; a sft row "
-                           "needs 'prompt' and 'completion' (strings or message lists), or one "
-                           "'messages' list"),
+    ("5", "missing field", "missing field 'completion'; the row has columns 'prompt' (TRL's "
+                           "prompt-only format); a sft row needs 'prompt' and 'completion' (strings "
+                           "or message lists), one 'messages' list or one 'text' string"),
     ("6", "empty field", "empty field 'prompt'"),
     ("8", "missing field", "missing field 'completion' (found column 'complition': did you mean "
                            "'completion'?)"),
@@ -116,7 +116,8 @@ def test_pairs_identical_and_missing(write_jsonl):
     assert [str(p) for p in problems] == [
         f"{path}:2: 'chosen' and 'rejected' are identical",
         f"{path}:3: missing fields 'chosen' and 'rejected'; the row has columns 'prompt', "
-        "'answer'; a pairs row needs 'prompt', 'chosen' and 'rejected' (strings or message lists)",
+        "'answer' (TRL's prompt-only format); a pairs row needs 'chosen' and 'rejected' (strings "
+        "or message lists), with a 'prompt' or with the prompt as their shared beginning",
         f"{path}:4: 'chosen' and 'rejected' are identical",
     ]
 
@@ -129,9 +130,9 @@ def test_conversational_rows_use_the_chat_template(tok_chat):
     examples, problems = validate([Record("x", None, i, r) for i, r in enumerate(rows)], "sft",
                                   tokenizer=tok_chat)
     assert problems == []
-    assert examples == [
+    assert examples == [  # prompt + completion: loss on the answer; messages: on every turn (as TRL)
         SFTExample("<user> say hi <end> <assistant> ", "hi <end> "),
-        SFTExample("<system> be brief <end> <user> say hi <end> <assistant> ", "hi <end> "),
+        SFTExample("", "<system> be brief <end> <user> say hi <end> <assistant> hi <end> "),
     ]
     pair = {"prompt": USER_HI, "chosen": [{"role": "assistant", "content": "good"}],
             "rejected": [{"role": "assistant", "content": "bad"}]}
@@ -154,24 +155,24 @@ def test_conversational_fallbacks(tok, make_tok):
 
 def test_messages_column_problems_and_prompts_kind():
     rows = [
-        {"messages": USER_HI},  # sft needs a final assistant message
-        {"messages": ASSISTANT_HI},  # no prompt before it
+        {"messages": USER_HI},  # language modelling: any conversation is trained on whole
         {"messages": []},
+        {"messages": [{"role": "user", "content": " "}]},
     ]
-    _, problems = validate([Record("m.parquet", None, i, r) for i, r in enumerate(rows)], "sft")
+    examples, problems = validate([Record("m.parquet", None, i, r) for i, r in enumerate(rows)], "sft")
+    assert examples == [SFTExample("", "user: say hi")]
     assert [str(p) for p in problems] == [
-        "m.parquet row 0: the last message in 'messages' has role 'user'; for sft it must be the "
-        "'assistant' completion",
-        "m.parquet row 1: 'messages' has no prompt message before the assistant's",
-        "m.parquet row 2: empty field 'messages' (no messages)",
+        "m.parquet row 1: empty field 'messages' (no messages)",
+        "m.parquet row 2: empty field 'messages' (all messages are empty)",
     ]
     rows = [{"prompt": "say hi", "reference": "hi", "family": "greet"},
-            {"messages": [*USER_HI, *ASSISTANT_HI]}, {"messages": USER_HI}]
+            {"messages": [*USER_HI, *ASSISTANT_HI]}, {"messages": USER_HI}, {"messages": ASSISTANT_HI}]
     examples, problems = validate([Record("p", 1, i, r) for i, r in enumerate(rows)], "prompts")
-    assert problems == []
-    assert examples == [PromptExample("say hi", "greet", "hi"),
-                        PromptExample("user: say hi\nassistant: ", None, "hi"),
-                        PromptExample("user: say hi\nassistant: ", None, None)]
+    assert [str(p) for p in problems] == ["p:1: 'messages' holds only an assistant message, no prompt"]
+    assert examples == [
+        PromptExample("say hi", "greet", "hi", {"reference": "hi", "family": "greet"}, "p:1"),
+        PromptExample("user: say hi\nassistant: ", None, "hi", {}, "p:1"),
+        PromptExample("user: say hi\nassistant: ", None, None, {}, "p:1")]
 
 
 def test_prompt_too_long_is_reported(write_jsonl, make_tok):

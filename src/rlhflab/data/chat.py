@@ -6,10 +6,13 @@ With a tokenizer that has a chat template:
                when the full rendering starts with the prompt rendering (so the
                template's end-of-turn markup is part of what is trained);
                otherwise the completion messages' content.
+  conversation = apply_chat_template(messages) (a whole `messages` row, for SFT)
 Without one (no tokenizer, or `tokenizer.chat_template` unset), a plain fallback:
   prompt     = "user: hi\\nassistant: "   (one "role: content" line per message)
   completion = content of the first completion message; any further message
                follows as "\\nrole: content".
+  conversation = "user: hi\\nassistant: hello"  (so prompt + completion of a split
+               conversation reads the same as the whole conversation)
 """
 
 from __future__ import annotations
@@ -38,3 +41,10 @@ def render_completion(prompt: list[Message], completion: list[Message], tokenize
         return "".join(m["content"] for m in completion)
     first, *rest = completion
     return first["content"] + "".join(f"\n{m['role']}: {m['content']}" for m in rest)
+
+
+def render_conversation(messages: list[Message], tokenizer=None) -> str:
+    """Text of a whole conversation (TRL's language-modelling rows), every turn included."""
+    if has_chat_template(tokenizer):
+        return tokenizer.apply_chat_template(messages, tokenize=False)
+    return "\n".join(f"{m['role']}: {m['content']}" for m in messages)

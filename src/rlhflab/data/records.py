@@ -7,19 +7,28 @@ Validation turns records into typed, text-only examples; tokenisation comes late
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Union
+
+
+def location(source: str, line: int | None, index: int) -> str:
+    """`file.jsonl:17` for line-based files, `file.parquet row 16` otherwise."""
+    return f"{source}:{line}" if line is not None else f"{source} row {index}"
 
 
 @dataclass(frozen=True)
 class Record:
-    """One raw row from a JSONL file, a Parquet file or a saved `datasets` folder."""
+    """One raw row from a JSONL or Parquet file, or a `datasets` dataset (saved folder, data folder, hub)."""
 
-    source: str  # the path the row came from (with "[split]" for a DatasetDict)
+    source: str  # the path or dataset name the row came from (with "[split]" for a split of a dataset)
     line: int | None  # 1-based line number for JSONL; None for Parquet / datasets
     index: int  # 0-based position of the row among the rows read
     row: dict[str, Any]  # the row itself; {} when `error` is set
     error: str | None = None  # set when the line could not be parsed (bad JSON, not an object)
+
+    @property
+    def where(self) -> str:
+        return location(self.source, self.line, self.index)
 
 
 @dataclass(frozen=True)
@@ -34,10 +43,7 @@ class RowProblem:
 
     @property
     def where(self) -> str:
-        """`file.jsonl:17` for line-based files, `file.parquet row 16` otherwise."""
-        if self.line is not None:
-            return f"{self.source}:{self.line}"
-        return f"{self.source} row {self.index}"
+        return location(self.source, self.line, self.index)
 
     def __str__(self) -> str:
         return f"{self.where}: {self.reason}"
@@ -62,9 +68,13 @@ class PairExample:
 
 @dataclass(frozen=True)
 class PromptExample:
-    prompt: str
-    family: str | None = None
-    reference: str | None = None  # optional reference answer, e.g. for evaluation
+    prompt: str  # rendered prompt text (chat template applied for conversations)
+    family: str | None = None  # the row's `family` column
+    reference: str | None = None  # `reference` column, or a `messages` row's final assistant message
+    # every column of the row except the `prompt` / `messages` the prompt was built from, as read
+    # (e.g. "answer", "family", "completion", "chosen"): what reward and verifier functions receive
+    columns: dict[str, Any] = field(default_factory=dict)
+    where: str = ""  # "file.jsonl:17" / "file.parquet row 16", for messages about this prompt
 
 
 Example = Union[SFTExample, PairExample, PromptExample]

@@ -4,7 +4,9 @@ Prompts are encoded with `add_special_tokens=False`; a BOS is prepended only whe
 the tokenizer has one and `tokenizer.add_bos_token` is truthy (and the text, e.g. a
 chat-template rendering, does not already start with it). Completions are encoded
 with `add_special_tokens=False` and the EOS id is ALWAYS appended, also when
-pad == eos, so that the model learns to stop.
+pad == eos, so that the model learns to stop. Language-modelling rows have an empty
+prompt: their prompt ids are just the BOS (if any), which is dropped when the
+completion's own rendering already starts with it.
 """
 
 from __future__ import annotations
@@ -82,7 +84,9 @@ def tokenize_sft(examples: list[SFTExample], tokenizer, max_length: int) -> list
     completions = encode_completions(tokenizer, [ex.completion for ex in examples])
     keep_bos = _uses_bos(tokenizer)
     out, too_long, cut_prompts, cut_completions = [], 0, 0, 0
-    for p, c in zip(prompts, completions):
+    for ex, p, c in zip(examples, prompts, completions):
+        if not ex.prompt and p and c[: len(p)] == p:
+            p = []  # a whole conversation rendered by a chat template may bring its own BOS
         too_long += len(p) + len(c) > max_length
         p2, c2 = truncate_sft(p, c, max_length, keep_first=keep_bos)
         cut_prompts += len(p2) < len(p)

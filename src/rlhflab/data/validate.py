@@ -1,42 +1,61 @@
 """Check raw records against a data kind and turn the good ones into typed examples.
 
-Accepted rows (TRL's standard column names):
+Rows are in TRL's dataset formats (https://huggingface.co/docs/trl/dataset_formats),
+standard (strings) or conversational (lists of {"role", "content"} messages); which format
+a row is in follows from its columns (`rlhflab.data.formats`). What each kind accepts:
 
-  kind     standard (strings)               conversational (message lists)
-  sft      prompt, completion               prompt + completion, or one `messages` list
-                                            (its last message, role "assistant", is the completion)
-  pairs    prompt, chosen, rejected         prompt, chosen, rejected
-  prompts  prompt [, reference]             prompt, or `messages` (a final assistant
-                                            message becomes the reference)
+  kind     format                       columns                   becomes
+  sft      prompt-completion            prompt, completion        loss on the completion only
+           language modelling           text                      prompt "", completion = text
+           conversational LM            messages                  prompt "", completion = the whole
+                                                                  rendered conversation (TRL's SFT trains
+                                                                  on every turn; for the last answer only,
+                                                                  write prompt + completion messages)
+  pairs    preference                   prompt, chosen, rejected
+           preference, implicit prompt  chosen, rejected          the shared beginning is the prompt
+  prompts  prompt-only                  prompt
+           prompt-completion            prompt, completion        the prompt; completion is a column
+           preference (either)          [prompt,] chosen, rejected  the prompt (explicit or shared);
+                                                                  chosen / rejected are columns
+           conversational LM            messages                  a final assistant message becomes the
+                                                                  reference, the messages before it the prompt
 
-Optional `family` and `violation` strings are carried through. Conversations are
-rendered to text by `rlhflab.data.chat`. Each bad row yields one `RowProblem`.
+Implicit prompts follow TRL's `extract_prompt`: for message lists the longest common
+prefix of messages (at least one); for strings the longest common prefix of characters,
+with a space just before the first difference left to the answers ("The sky is" +
+" blue." / " green."), possibly empty for `pairs` (the reward model then reads whole
+texts, as TRL's reward trainer does). As TRL's `maybe_extract_prompt`, a `prompt` string
+next to `chosen` / `rejected` message lists that share their first messages is ignored
+and the shared messages are the prompt (e.g. HuggingFaceH4/ultrafeedback_binarized).
+
+Conversations are rendered to text by `rlhflab.data.chat` (the tokenizer's chat template,
+or plain "role: content" lines without one). Optional `family` and `violation` strings
+are carried through; a prompts row keeps every column except `prompt` / `messages` in
+`PromptExample.columns`. Each bad row yields one `RowProblem`.
 """
 
 from __future__ import annotations
 
 import difflib
+from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
-from rlhflab.data.chat import render_completion, render_prompt
+from rlhflab.data.chat import render_completion, render_conversation, render_prompt
+from rlhflab.data.formats import FORMAT_COLUMNS, BadRow, format_name, implicit_prompt_length, present_columns
 from rlhflab.data.records import Example, PairExample, PromptExample, Record, RowProblem, SFTExample
 from rlhflab.data.tokenize import encode_prompts
 from rlhflab.errors import UserInputError
 
 KINDS = {  # kind -> what a row needs (used in error messages)
-    "sft": "'prompt' and 'completion' (strings or message lists), or one 'messages' list",
-    "pairs": "'prompt', 'chosen' and 'rejected' (strings or message lists)",
-    "prompts": "'prompt' (a string or a message list), or one 'messages' list",
+    "sft": "'prompt' and 'completion' (strings or message lists), one 'messages' list or one 'text' string",
+    "pairs": "'chosen' and 'rejected' (strings or message lists), with a 'prompt' or with the prompt as "
+             "their shared beginning",
+    "prompts": "'prompt' (a string or a message list), one 'messages' list, or 'chosen' and 'rejected' "
+               "sharing their beginning",
 }
-ANSWER_FIELDS = {"sft": ("completion",), "pairs": ("chosen", "rejected"), "prompts": ()}
-KNOWN_COLUMNS = ("prompt", "completion", "chosen", "rejected", "messages",
-                 "family", "violation", "reference")
-
-
-class _Bad(Exception):
-    def __init__(self, category: str, reason: str):
-        super().__init__(reason)
-        self.category, self.reason = category, reason
+KNOWN_COLUMNS = (*FORMAT_COLUMNS, "family", "violation", "reference")
+PROMPT_SOURCES = ("prompt", "messages")  # columns a prompts row's prompt is built from; not in `columns`
 
 
 def validate(
@@ -58,10 +77,11 @@ def validate(
 def _check(rec: Record, kind: str, tokenizer) -> Example | RowProblem:
     try:
         if rec.error is not None:
-            raise _Bad("malformed JSON", rec.error)
-        return _to_example(rec.row, kind, tokenizer)
-    except _Bad as bad:
+            raise BadRow("malformed JSON", rec.error)
+        example = _to_example(rec.row, kind, tokenizer)
+    except BadRow as bad:
         return RowProblem(rec.source, rec.line, rec.index, bad.reason, bad.category)
+    return replace(example, where=rec.where) if isinstance(example, PromptExample) else example
 
 
 def _check_prompt_lengths(
@@ -82,104 +102,212 @@ def _check_prompt_lengths(
 
 
 def _to_example(row: dict[str, Any], kind: str, tokenizer) -> Example:
-    extras = {f: _optional_str(row, f) for f in ("family", "violation", "reference")}
-    if row.get("prompt") is None and row.get("messages") is not None and kind != "pairs":
-        prompt, answers = _split_messages(row["messages"], kind, tokenizer)
-    else:
-        prompt, answers = _prompt_and_answers(row, kind, tokenizer)
-    if kind == "sft":
-        return SFTExample(prompt, answers["completion"], extras["family"], extras["violation"])
-    if kind == "pairs":
-        if answers["chosen"] == answers["rejected"]:
-            raise _Bad("chosen == rejected", "'chosen' and 'rejected' are identical")
-        return PairExample(prompt, answers["chosen"], answers["rejected"],
-                           extras["family"], extras["violation"])
-    reference = answers.get("reference", extras["reference"])
-    return PromptExample(prompt, extras["family"], reference)
+    present = present_columns(row)
+    for needed, read in READERS[kind]:
+        if needed <= present:
+            return read(row, tokenizer)
+    raise _no_fitting_format(row, kind)
 
 
-def _prompt_and_answers(row: dict[str, Any], kind: str, tokenizer) -> tuple[str, dict[str, str]]:
-    fields = ("prompt", *ANSWER_FIELDS[kind])
-    missing = [f for f in fields if row.get(f) is None]
-    if missing:
-        raise _Bad("missing field", _missing_reason(missing, row, kind))
+# --- sft ------------------------------------------------------------------------------
+
+
+def _sft_prompt_completion(row: dict[str, Any], tokenizer) -> SFTExample:
+    prompt, (completion,) = _prompt_and_answers(row, ("completion",), tokenizer)
+    return SFTExample(prompt, completion, *_tags(row))
+
+
+def _sft_messages(row: dict[str, Any], tokenizer) -> SFTExample:
+    _check_messages("messages", row["messages"])
+    return SFTExample("", render_conversation(row["messages"], tokenizer), *_tags(row))
+
+
+def _sft_text(row: dict[str, Any], tokenizer) -> SFTExample:
+    _check_text("text", row["text"])
+    return SFTExample("", row["text"], *_tags(row))
+
+
+# --- pairs ----------------------------------------------------------------------------
+
+
+def _pair_explicit(row: dict[str, Any], tokenizer) -> PairExample:
+    if _prompt_is_superseded(row):
+        return _pair_implicit(row, tokenizer)
+    prompt, (chosen, rejected) = _prompt_and_answers(row, ("chosen", "rejected"), tokenizer)
+    return _pair(prompt, chosen, rejected, row)
+
+
+def _pair_implicit(row: dict[str, Any], tokenizer) -> PairExample:
+    return _pair(*_split_implicit(row, tokenizer, allow_empty_prompt=True), row)
+
+
+def _pair(prompt: str, chosen: str, rejected: str, row: dict[str, Any]) -> PairExample:
+    if chosen == rejected:
+        raise BadRow("chosen == rejected", "'chosen' and 'rejected' are identical")
+    return PairExample(prompt, chosen, rejected, *_tags(row))
+
+
+# --- prompts --------------------------------------------------------------------------
+
+
+def _prompt_from_prompt(row: dict[str, Any], tokenizer) -> PromptExample:
+    """Prompt-only, prompt-completion or explicit preference: the prompt; the rest are columns."""
+    if _prompt_is_superseded(row):
+        return _prompt_implicit(row, tokenizer)
+    prompt, _ = _prompt_and_answers(row, (), tokenizer)
+    return _prompt_example(prompt, row)
+
+
+def _prompt_from_messages(row: dict[str, Any], tokenizer) -> PromptExample:
+    messages = row["messages"]
+    _check_messages("messages", messages)
+    if messages[-1]["role"] != "assistant":
+        return _prompt_example(render_prompt(messages, tokenizer), row)
+    if len(messages) == 1:
+        raise BadRow("empty field", "'messages' holds only an assistant message, no prompt")
+    return _prompt_example(render_prompt(messages[:-1], tokenizer), row, reference=messages[-1]["content"])
+
+
+def _prompt_implicit(row: dict[str, Any], tokenizer) -> PromptExample:
+    prompt, _, _ = _split_implicit(row, tokenizer, allow_empty_prompt=False)
+    return _prompt_example(prompt, row)
+
+
+def _prompt_example(prompt: str, row: dict[str, Any], reference: str | None = None) -> PromptExample:
+    family, column_reference = _optional_str(row, "family"), _optional_str(row, "reference")
+    columns = {k: v for k, v in row.items() if k not in PROMPT_SOURCES}
+    return PromptExample(prompt, family, column_reference if column_reference is not None else reference, columns)
+
+
+# kind -> (columns that select a reader, reader); the first whose columns the row has all of
+# reads it, so `prompt` + `completion` wins over `messages`, and `messages` over `text`
+READERS: dict[str, tuple[tuple[frozenset[str], Callable[[dict[str, Any], Any], Example]], ...]] = {
+    "sft": ((frozenset({"prompt", "completion"}), _sft_prompt_completion),
+            (frozenset({"messages"}), _sft_messages),
+            (frozenset({"text"}), _sft_text)),
+    "pairs": ((frozenset({"prompt", "chosen", "rejected"}), _pair_explicit),
+              (frozenset({"chosen", "rejected"}), _pair_implicit)),
+    "prompts": ((frozenset({"prompt"}), _prompt_from_prompt),
+                (frozenset({"messages"}), _prompt_from_messages),
+                (frozenset({"chosen", "rejected"}), _prompt_implicit)),
+}
+
+
+# --- shared pieces --------------------------------------------------------------------
+
+
+def _prompt_and_answers(row: dict[str, Any], answers: tuple[str, ...], tokenizer) -> tuple[str, list[str]]:
+    """Rendered `prompt` and `answers` columns, all strings or all message lists."""
+    fields = ("prompt", *answers)
     prompt = row["prompt"]
     if isinstance(prompt, str):
         for f in fields:
             if isinstance(row[f], list):
-                raise _Bad("mixed formats", f"'{f}' is a message list but 'prompt' is a string; "
-                           "use strings for all fields or message lists for all")
+                raise BadRow("mixed formats", f"'{f}' is a message list but 'prompt' is a string; "
+                             "use strings for all fields or message lists for all")
             _check_text(f, row[f])
-        return prompt, {f: row[f] for f in fields[1:]}
+        return prompt, [row[f] for f in answers]
     if isinstance(prompt, list):
         for f in fields:
             if isinstance(row[f], str):
-                raise _Bad("mixed formats", f"'{f}' is a string but 'prompt' is a message list; "
-                           "use strings for all fields or message lists for all")
+                raise BadRow("mixed formats", f"'{f}' is a string but 'prompt' is a message list; "
+                             "use strings for all fields or message lists for all")
             _check_messages(f, row[f])
-        answers = {f: render_completion(prompt, row[f], tokenizer) for f in fields[1:]}
-        for f, text in answers.items():
+        texts = [render_completion(prompt, row[f], tokenizer) for f in answers]
+        for f, text in zip(answers, texts):
             if not text.strip():
-                raise _Bad("empty field", f"empty field '{f}'")
-        return render_prompt(prompt, tokenizer), answers
-    raise _Bad("wrong type", f"'prompt' must be a string or a list of messages, "
-               f"got {type(prompt).__name__}")
+                raise BadRow("empty field", f"empty field '{f}'")
+        return render_prompt(prompt, tokenizer), texts
+    raise BadRow("wrong type", f"'prompt' must be a string or a list of messages, got {type(prompt).__name__}")
 
 
-def _split_messages(messages: Any, kind: str, tokenizer) -> tuple[str, dict[str, str]]:
-    _check_messages("messages", messages)
-    last = messages[-1]
-    if kind == "prompts":
-        if last["role"] != "assistant":
-            return render_prompt(messages, tokenizer), {}
-        if len(messages) == 1:
-            raise _Bad("empty field", "'messages' holds only an assistant message, no prompt")
-        return render_prompt(messages[:-1], tokenizer), {"reference": last["content"]}
-    if last["role"] != "assistant":
-        raise _Bad("malformed message", f"the last message in 'messages' has role "
-                   f"{last['role']!r}; for sft it must be the 'assistant' completion")
-    if len(messages) == 1:
-        raise _Bad("empty field", "'messages' has no prompt message before the assistant's")
-    prompt = messages[:-1]
-    completion = render_completion(prompt, [last], tokenizer)
-    if not completion.strip():
-        raise _Bad("empty field", "empty field 'completion' (last message of 'messages')")
-    return render_prompt(prompt, tokenizer), {"completion": completion}
+def _prompt_is_superseded(row: dict[str, Any]) -> bool:
+    """TRL's maybe_extract_prompt: a string prompt beside conversations that share a beginning is not used."""
+    chosen, rejected = row.get("chosen"), row.get("rejected")
+    return (isinstance(row["prompt"], str) and isinstance(chosen, list) and isinstance(rejected, list)
+            and implicit_prompt_length(chosen, rejected) > 0)
+
+
+def _split_implicit(row: dict[str, Any], tokenizer, allow_empty_prompt: bool) -> tuple[str, str, str]:
+    """(prompt, chosen, rejected) texts of a preference row whose prompt is their shared beginning."""
+    chosen, rejected = row["chosen"], row["rejected"]
+    if isinstance(chosen, str) and isinstance(rejected, str):
+        _check_text("chosen", chosen)
+        _check_text("rejected", rejected)
+        n = implicit_prompt_length(chosen, rejected)
+        if n == 0 and not allow_empty_prompt:
+            raise BadRow("no shared prompt", "'chosen' and 'rejected' share no beginning, so the row has no prompt")
+        parts = chosen[:n], chosen[n:], rejected[n:]
+    elif isinstance(chosen, list) and isinstance(rejected, list):
+        _check_messages("chosen", chosen)
+        _check_messages("rejected", rejected)
+        n = implicit_prompt_length(chosen, rejected)
+        if n == 0:
+            raise BadRow("no shared prompt", "'chosen' and 'rejected' share no leading message, so the row has "
+                         "no prompt; start both with the prompt's messages, or add a 'prompt' column")
+        prompt = chosen[:n]
+        parts = (render_prompt(prompt, tokenizer), render_completion(prompt, chosen[n:], tokenizer),
+                 render_completion(prompt, rejected[n:], tokenizer))
+    else:
+        for f in ("chosen", "rejected"):
+            if not isinstance(row[f], (str, list)):
+                raise BadRow("wrong type", f"'{f}' must be a string or a list of messages, "
+                             f"got {type(row[f]).__name__}")
+        raise BadRow("mixed formats", "one of 'chosen' and 'rejected' is a string and the other a message list; "
+                     "use strings for both or message lists for both")
+    for f, text in zip(("chosen", "rejected"), parts[1:]):
+        if not text.strip():
+            raise BadRow("empty field", f"'{f}' is empty after the shared prompt")
+    return parts
+
+
+def _tags(row: dict[str, Any]) -> tuple[str | None, str | None]:
+    return _optional_str(row, "family"), _optional_str(row, "violation")
 
 
 def _check_text(name: str, value: Any) -> None:
     if not isinstance(value, str):
-        raise _Bad("non-string content", f"'{name}' must be a string, got {type(value).__name__}")
+        raise BadRow("non-string content", f"'{name}' must be a string, got {type(value).__name__}")
     if not value.strip():
-        raise _Bad("empty field", f"empty field '{name}'")
+        raise BadRow("empty field", f"empty field '{name}'")
 
 
 def _check_messages(name: str, value: Any) -> None:
     if not isinstance(value, list):
-        raise _Bad("wrong type", f"'{name}' must be a list of messages, got {type(value).__name__}")
+        raise BadRow("wrong type", f"'{name}' must be a list of messages, got {type(value).__name__}")
     if not value:
-        raise _Bad("empty field", f"empty field '{name}' (no messages)")
+        raise BadRow("empty field", f"empty field '{name}' (no messages)")
     for i, m in enumerate(value, start=1):
         if not isinstance(m, dict) or "role" not in m or "content" not in m:
-            raise _Bad("malformed message", f"message {i} of '{name}' is not a "
-                       "{'role': ..., 'content': ...} object")
+            raise BadRow("malformed message", f"message {i} of '{name}' is not a "
+                         "{'role': ..., 'content': ...} object")
         if not isinstance(m["role"], str) or not m["role"]:
-            raise _Bad("malformed message", f"message {i} of '{name}' has no role string")
+            raise BadRow("malformed message", f"message {i} of '{name}' has no role string")
         if not isinstance(m["content"], str):
-            raise _Bad("non-string content", f"message {i} of '{name}' has "
-                       f"{type(m['content']).__name__} content, expected a string")
+            raise BadRow("non-string content", f"message {i} of '{name}' has "
+                         f"{type(m['content']).__name__} content, expected a string")
     if not any(m["content"].strip() for m in value):
-        raise _Bad("empty field", f"empty field '{name}' (all messages are empty)")
+        raise BadRow("empty field", f"empty field '{name}' (all messages are empty)")
 
 
 def _optional_str(row: dict[str, Any], name: str) -> str | None:
     value = row.get(name)
     if value is not None and not isinstance(value, str):
-        raise _Bad("non-string content", f"'{name}' must be a string, got {type(value).__name__}")
+        raise BadRow("non-string content", f"'{name}' must be a string, got {type(value).__name__}")
     return value
 
 
-def _missing_reason(missing: list[str], row: dict[str, Any], kind: str) -> str:
+def _no_fitting_format(row: dict[str, Any], kind: str) -> BadRow:
+    """The problem of a row no reader of `kind` takes: the fields it lacks, or the format it is in."""
+    present = present_columns(row)
+    needed = max((cols for cols, _ in READERS[kind]), key=lambda cols: len(cols & present))  # first on ties
+    recognised = format_name(row)
+    columns = ", ".join(repr(k) for k in row) or "none"
+    described = f"{columns} (TRL's {recognised} format)" if recognised else columns
+    needs = f"a {kind} row needs {KINDS[kind]}"
+    if recognised and not needed & present:
+        return BadRow("wrong format", f"the row has columns {described}; {needs}")
+    missing = [c for c in FORMAT_COLUMNS if c in needed - present]
     names = " and ".join(repr(f) for f in missing)
     reason = f"missing field{'s' if len(missing) > 1 else ''} {names}"
     unknown = [k for k in row if k not in KNOWN_COLUMNS]
@@ -189,6 +317,5 @@ def _missing_reason(missing: list[str], row: dict[str, Any], kind: str) -> str:
         if close:
             hints.append(f"found column {close[0]!r}: did you mean {f!r}?")
     if hints:
-        return f"{reason} ({'; '.join(hints)})"
-    columns = ", ".join(repr(k) for k in row) or "none"
-    return f"{reason}; the row has columns {columns}; a {kind} row needs {KINDS[kind]}"
+        return BadRow("missing field", f"{reason} ({'; '.join(hints)})")
+    return BadRow("missing field", f"{reason}; the row has columns {described}; {needs}")
