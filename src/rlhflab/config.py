@@ -20,6 +20,7 @@ import yaml
 from transformers import HfArgumentParser
 
 from rlhflab.errors import UserInputError
+from rlhflab.trl_names import TRL_NAMES
 
 
 def arg(default: Any, help: str, **extra: Any) -> Any:
@@ -386,9 +387,43 @@ def field_names(config_cls: type) -> list[str]:
     return [f.name for f in dataclasses.fields(config_cls)]
 
 
-def _closest(name: str, names: list[str]) -> str:
+def _closest(name: str, config_cls: type, flag: bool) -> str:
+    """What to do about an unknown flag (`flag`) or YAML key: TRL's name for a field if it is one, else the
+    closest field name."""
+    names = field_names(config_cls)
+    if name in TRL_NAMES:
+        return _trl_hint(name, names, flag)
     match = difflib.get_close_matches(name, names, n=1, cutoff=0.6)
     return f"did you mean '{match[0]}'?" if match else f"run with --help to list the {len(names)} valid keys"
+
+
+def _trl_hint(name: str, names: list[str], flag: bool) -> str:
+    """README "Coming from TRL" in one line: the field this stage has for TRL's `name`, or why there is none."""
+    show = (lambda n: f"--{n}") if flag else (lambda n: f"'{n}'")
+    counterpart = TRL_NAMES[name]
+    if not counterpart.fields:
+        return f"TRL's {show(name)} has no rlhflab counterpart: {counterpart.note}"
+    here = [f for f in counterpart.fields if f in names]
+    if not here:  # e.g. --reward_model_path on sft: say which stages take it rather than guess a neighbour
+        stages = [stage for stage, cls in STAGES.items() if counterpart.fields[0] in field_names(cls)]
+        return (f"TRL's {show(name)} is rlhflab's {show(counterpart.fields[0])}, which this stage does not take "
+                f"(stages that do: {', '.join(stages) or 'none yet'})")
+    if not counterpart.rename:  # the note says how the value changes
+        return f"did you mean {show(here[0])}? (TRL's {show(name)}: {counterpart.note})"
+    note = f": {counterpart.note}" if counterpart.note else ""
+    return f"did you mean {show(here[0])}? (TRL's {show(name)} is rlhflab's {show(here[0])}{note})"
+
+
+def _unknown(names: list[str], config_cls: type, what: str, where: str, flag: bool) -> UserInputError:
+    """One error naming every unknown flag or key, each with its hint, so a TRL command is fixed in one pass."""
+    def bare(name: str) -> str:
+        return name.lstrip("-").split("=")[0].replace("-", "_")
+
+    if len(names) == 1:
+        return UserInputError(f"unknown {what} '{names[0]}'", where, _closest(bare(names[0]), config_cls, flag))
+    listed = ", ".join(f"'{n}'" for n in names)
+    hints = "".join(f"\n  {n.split('=')[0]}: {_closest(bare(n), config_cls, flag)}" for n in names)
+    return UserInputError(f"unknown {what}s {listed}", where, f"for each:{hints}")
 
 
 _EXAMPLES = {bool: "true", int: "10", float: "0.001", str: "some-text"}
@@ -433,13 +468,11 @@ def read_yaml_config(path: str, config_cls: type) -> dict[str, Any]:
     if not isinstance(values, dict):
         raise UserInputError("a config file must be a mapping of field: value", path)
     names = field_names(config_cls)
+    unknown = [str(key) for key in values if key not in names]
+    if unknown:
+        raise _unknown(unknown, config_cls, "config key", path, flag=False)
     hints = typing.get_type_hints(config_cls)
-    checked = {}
-    for key, value in values.items():
-        if key not in names:
-            raise UserInputError(f"unknown config key '{key}'", path, _closest(str(key), names))
-        checked[key] = _coerce(key, value, hints[key], f"{path}: {key}")
-    return checked
+    return {key: _coerce(key, value, hints[key], f"{path}: {key}") for key, value in values.items()}
 
 
 def build_parser(config_cls: type, prog: str) -> HfArgumentParser:
@@ -452,6 +485,16 @@ def build_parser(config_cls: type, prog: str) -> HfArgumentParser:
     return parser
 
 
+def _stray_value(value: str, argv: list[str], prog: str) -> UserInputError:
+    """A value no flag took, most often the second item of a TRL-style list (`--lora_target_modules q_proj v_proj`)."""
+    before = [token for token in argv[: argv.index(value)] if token.startswith("--")] if value in argv else []
+    if not before:
+        return UserInputError(f"unexpected value '{value}'", prog, "give settings as --field value; --help lists them")
+    return UserInputError(f"unexpected value '{value}' after {before[-1]}", prog,
+                          "each flag takes one value; write lists comma-separated, e.g. --lora_target_modules "
+                          "q_proj,v_proj (TRL's scripts take them space-separated)")
+
+
 def parse_config(config_cls: type, argv: list[str], prog: str) -> Any:
     """Defaults < YAML file (`--config`) < command-line flags -> a frozen config."""
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
@@ -461,11 +504,9 @@ def parse_config(config_cls: type, argv: list[str], prog: str) -> Any:
     if known.config:
         parser.set_defaults(**read_yaml_config(known.config, config_cls))
     namespace, unknown = parser.parse_known_args(argv)
-    flags = [token for token in unknown if token.startswith("--")]
-    if unknown:
-        bad = flags[0] if flags else unknown[0]
-        name = bad.lstrip("-").split("=")[0].replace("-", "_")
-        raise UserInputError(f"unknown option '{bad}'", prog, _closest(name, field_names(config_cls)))
+    if unknown:  # the values after an unknown flag land here too: name the flags
+        flags = [token for token in unknown if token.startswith("--")]
+        raise _unknown(flags, config_cls, "option", prog, flag=True) if flags else _stray_value(unknown[0], argv, prog)
     values = {k: v for k, v in vars(namespace).items() if k != "config"}
     return config_cls(**values)
 
