@@ -82,8 +82,15 @@ class SuiteFields:
 
 @dataclass(frozen=True)
 class DataFields:
-    train_file: str = arg("", "training data (JSONL, Parquet or datasets folder); empty = built-in suite")
-    validation_file: str = arg("", "validation data; empty = built-in suite's validation split")
+    train_file: str = arg("", "training data in any of TRL's formats (README \"Data formats\"): JSONL, Parquet, "
+                              "a datasets folder or a datasets name (hub id); empty = built-in suite")
+    validation_file: str = arg("", "validation data, same formats; empty = built-in suite's validation split")
+    dataset_split: str = arg("train", "split of --train_file when it is a datasets name or folder with splits; "
+                                      "NAME:SPLIT in --train_file / --validation_file picks one for that file "
+                                      "(e.g. trl-lib/tldr:validation); --validation_file without one uses its "
+                                      "only split")
+    dataset_config: str = arg("", "configuration (subset) of a datasets name in --train_file / --validation_file; "
+                                  "empty = its default")
     max_prompt_tokens: int = arg(96, "prompts longer than this are bad rows")
     max_length: int = arg(160, "prompt + completion tokens per training sequence")
     strict: bool = arg(False, "fail on the first bad data row instead of dropping bad rows")

@@ -134,14 +134,16 @@ def load_pairs(cfg: RMConfig, tokenizer) -> dict[str, list[TokenizedPair]]:
     for split, path in (("train", cfg.train_file), ("validation", cfg.validation_file)):
         if path:
             pairs[split] = data.load_examples(path, "pairs", tokenizer=tokenizer,
-                                              max_prompt_tokens=cfg.max_prompt_tokens, strict=cfg.strict)
+                                              max_prompt_tokens=cfg.max_prompt_tokens, strict=cfg.strict,
+                                              split=cfg.dataset_split if split == "train" else None,  # validation:
+                                              config=cfg.dataset_config)  # NAME:SPLIT, else its only split
     if cfg.train_file and not cfg.validation_file:
         pairs.pop("validation")
     if cfg.train_file:
         pairs.pop("test")  # the suite's test split says nothing about a user's data
     if not pairs["train"]:
         raise UserInputError("no training pairs", "--pair_kinds", "allow violation kinds the suite's families produce")
-    return {split: tokenize_pairs(p, tokenizer, cfg.max_length) for split, p in pairs.items()}
+    return {split: tokenize_pairs(p, tokenizer, cfg.max_length, encoder) for split, p in pairs.items()}
 
 
 def padded_scores(model, seqs: list[list[int]], pad_id: int) -> torch.Tensor:

@@ -60,7 +60,8 @@ def load_sft_data(cfg: SFTConfig, tokenizer) -> SFTData:
     splits = tasks.build_splits(cfg.split_seed, cfg.num_train_prompts, cfg.num_validation_prompts, cfg.num_test_prompts)
     if cfg.train_file:
         train = data.load_examples(
-            cfg.train_file, "sft", tokenizer=tokenizer, max_prompt_tokens=cfg.max_prompt_tokens, strict=cfg.strict
+            cfg.train_file, "sft", tokenizer=tokenizer, max_prompt_tokens=cfg.max_prompt_tokens, strict=cfg.strict,
+            split=cfg.dataset_split, config=cfg.dataset_config,
         )
     else:
         items = tasks.sample_items("train", cfg.sft_examples, seed=cfg.seed, split_seed=cfg.split_seed)
@@ -68,7 +69,8 @@ def load_sft_data(cfg: SFTConfig, tokenizer) -> SFTData:
         train = suite_examples(rows)
     if cfg.validation_file:
         validation = data.load_examples(
-            cfg.validation_file, "sft", tokenizer=tokenizer, max_prompt_tokens=cfg.max_prompt_tokens, strict=cfg.strict
+            cfg.validation_file, "sft", tokenizer=tokenizer, max_prompt_tokens=cfg.max_prompt_tokens, strict=cfg.strict,
+            config=cfg.dataset_config,  # its split: NAME:SPLIT, else its only one
         )
         validation_items: list[tasks.TaskItem] = []
     else:
