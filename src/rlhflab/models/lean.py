@@ -15,8 +15,9 @@ the HF forward the numbers agree to ~1e-6 (tests/models/test_models_lean.py).
 Only models whose decoder layers are exactly the Llama layout qualify, in eval mode or, when
 the caller allows it, in training mode without dropout (`plan_lean` returns None otherwise and
 callers keep the model's own forward). A plain peft
-LoRA Linear runs as base(x) + scale * B(A(x)) on its own tensors; any other kind of layer is
-called as a module, so adapters are never skipped.
+LoRA Linear runs as base(x) + scale * B(A(x)) on its own tensors, with peft's casts (x to the
+adapter's dtype, the sum back to the base's); any other kind of layer is called as a module, so
+adapters are never skipped.
 """
 
 from __future__ import annotations
@@ -65,12 +66,17 @@ def _linear(module: nn.Module) -> Callable[[Tensor], Tensor]:
     if any(float(getattr(module.lora_dropout[a], "p", 0.0)) != 0.0 for a in active):
         return module
     pairs = [(module.lora_A[a].weight, module.lora_B[a].weight, module.scaling[a]) for a in active]
+    cast = getattr(module, "cast_input_dtype_enabled", True)
 
     def lora_linear(x: Tensor) -> Tensor:
+        # as peft's lora.Linear.forward: the adapter reads x in its own dtype (peft keeps A / B in float32
+        # on a bf16 / fp16 base), the sum is formed in the promoted dtype, and the result is cast back
         out = F.linear(x, base.weight, base.bias)
+        dtype = out.dtype
         for a, b, scale in pairs:
+            x = x.to(a.dtype) if cast else x
             out = out + F.linear(F.linear(x, a), b) * scale
-        return out
+        return out.to(dtype)
 
     return lora_linear
 
@@ -102,11 +108,22 @@ class LeanPlan:
     head_dim: int
 
 
+def rope_kind(config) -> str:
+    """The RoPE variant a config asks for; "default" is plain RoPE. transformers 5 keeps it in
+    `rope_parameters` (`rope_scaling` is an alias there), 4.x in `rope_scaling` (None = plain) with no
+    `rope_parameters`; configs older than 4.43 name the key `type`. Both places are read."""
+    for name in ("rope_parameters", "rope_scaling"):
+        rope = getattr(config, name, None) or {}
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        if kind != "default":
+            return kind
+    return "default"
+
+
 def _qualifies(config, inner: nn.Module) -> bool:
-    rope = getattr(config, "rope_parameters", None) or {}
     return (
         getattr(config, "model_type", None) in LEAN_MODEL_TYPES
-        and rope.get("rope_type", "default") == "default"  # dynamic / scaled rope change with length
+        and rope_kind(config) == "default"  # linear / dynamic / yarn / llama3 RoPE: the model's own forward
         and not getattr(config, "use_sliding_window", False)
         and all(t == "full_attention" for t in (getattr(config, "layer_types", None) or []))
         and float(getattr(config, "attention_dropout", 0.0) or 0.0) == 0.0

@@ -152,8 +152,9 @@ def merged_adapter(peft_model: PeftModel) -> Iterator[PeftModel]:
     adapter path switched off, so a forward costs what the plain model's does (peft's per-layer
     LoRA branch made generation ~1.5x slower, benchmarks/RESULTS.md). On exit the original weight
     tensors themselves are put back (not W' - BA, which differs from W by rounding), so the frozen
-    base, i.e. the reference, stays bit-identical. Memory: one extra copy of every adapted weight
-    matrix while the block runs. No grad inside. Models with other adapter kinds run unmerged.
+    base, i.e. the reference, stays bit-identical. On a bf16 / fp16 base the float32 deltas are added
+    in float32 and the sum rounded once to the base's dtype. Memory: one extra copy of every adapted
+    weight matrix while the block runs. No grad inside. Models with other adapter kinds run unmerged.
     """
     import torch
 
@@ -166,9 +167,10 @@ def merged_adapter(peft_model: PeftModel) -> Iterator[PeftModel]:
                 if layer.disable_adapters or not active:
                     continue
                 weight = layer.get_base_layer().weight
-                merged = weight.data + layer.get_delta_weight(active[0]).to(weight.dtype)
-                for adapter in active[1:]:
-                    merged += layer.get_delta_weight(adapter).to(weight.dtype)
+                delta = sum(layer.get_delta_weight(adapter) for adapter in active)
+                # summed in the deltas' dtype (float32 where peft keeps A / B in float32 on a half base)
+                # and rounded to the base's dtype once, as peft's own merge (`weight.data += delta`) rounds
+                merged = (weight.data.to(delta.dtype) + delta).to(weight.dtype)
                 saved.append((layer, weight, weight.data))
                 weight.data = merged
                 layer._disable_adapters = True

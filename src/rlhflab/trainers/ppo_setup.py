@@ -11,7 +11,8 @@ from rlhflab.config import PPOConfig
 from rlhflab.errors import UserInputError
 from rlhflab.rollout import GenerationSettings, generate_answers
 from rlhflab.rollout.roles import PolicyRoles
-from rlhflab.trainers.setup import check_full_precision, resolve_device
+from rlhflab.models.precision import float32_for_training
+from rlhflab.trainers.setup import resolve_device
 
 log = logging.getLogger("rlhflab")
 
@@ -28,7 +29,6 @@ def check_ppo_config(cfg: PPOConfig) -> None:
             raise UserInputError(f"{name} must be > 0, got {value}", f"--{name}")
     if cfg.adaptive_kl and (cfg.kl_target <= 0 or cfg.kl_horizon <= 0):
         raise UserInputError("adaptive_kl needs kl_target > 0 and kl_horizon > 0", "--kl_target / --kl_horizon")
-    check_full_precision(cfg.dtype, lora=cfg.lora_r > 0)
     if cfg.reward_model and cfg.reward in ("checker", "random"):
         log.warning("reward=%s: --reward_model %s is not used", cfg.reward, cfg.reward_model)
     if cfg.total_episodes % cfg.batch_size:
@@ -53,7 +53,10 @@ def _lora_targets(cfg: PPOConfig):
 
 
 def build_roles(cfg: PPOConfig) -> tuple[PolicyRoles, object]:
-    """Policy (+ LoRA), reference (copy, reload or adapter-off) and value (shared, separate, adapter)."""
+    """Policy (+ LoRA), reference (copy, reload or adapter-off) and value (shared, separate, adapter).
+
+    Whatever trains whole weights (a policy without LoRA, a separate value model) is float32 even when
+    `dtype` is half, and a full-fine-tuning reference is cast like its policy (models/precision.py)."""
     tokenizer = models.load_tokenizer(cfg.tokenizer or cfg.model, trust_remote_code=cfg.trust_remote_code)
     device = resolve_device(cfg.device)
     load = lambda path: models.load_causal_lm(  # noqa: E731
@@ -63,13 +66,16 @@ def build_roles(cfg: PPOConfig) -> tuple[PolicyRoles, object]:
     if lora:
         policy = models.apply_lora(policy, r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
                                    target_modules=_lora_targets(cfg))
+    policy = float32_for_training(policy, f"policy {cfg.model}")
     reference, load_reference = None, None
     if not lora:
-        reference_path = cfg.reference or cfg.model
+        reference_path, dtype = cfg.reference or cfg.model, policy.dtype
+        # in the policy's dtype: policy == reference exactly at the start (KL == 0), whatever cfg.dtype
+        load_frozen = lambda: load(reference_path).to(dtype).requires_grad_(False).eval()  # noqa: E731
         if cfg.reference_mode == "resident":
-            reference = load(reference_path)
+            reference = load_frozen()
         else:
-            load_reference = lambda: load(reference_path).requires_grad_(False).eval()  # noqa: E731
+            load_reference = load_frozen
     elif cfg.reference:
         log.warning("LoRA policy: the reference is the base with the adapter off; --reference is ignored")
     hidden = policy.config.hidden_size
@@ -79,6 +85,7 @@ def build_roles(cfg: PPOConfig) -> tuple[PolicyRoles, object]:
     elif cfg.value_mode == "separate":
         value_model = models.ValueModel.from_pretrained(cfg.value_model or cfg.model, dtype=cfg.dtype,
                                                         trust_remote_code=cfg.trust_remote_code).to(device)
+        value_model = float32_for_training(value_model, f"value model {cfg.value_model or cfg.model}")
     else:  # "lora_adapter" (the config's Literal admits no other value)
         models.add_value_adapter(policy, r=cfg.lora_r, alpha=cfg.lora_alpha)
         value_head = models.ValueHead(hidden).to(device)

@@ -25,6 +25,7 @@ from rlhflab.checkpoint import Checkpointer, open_run
 from rlhflab.config import RMConfig
 from rlhflab.core import bradley_terry_loss, reward_centering_penalty
 from rlhflab.errors import UserInputError
+from rlhflab.models.precision import float32_for_training
 from rlhflab.rollout import GenerationSettings, generate_answers
 from rlhflab.tracking import RunDir, RunResult
 from rlhflab.trainers.nonfinite import clip_and_step, guarded_step
@@ -274,6 +275,7 @@ def train(cfg: RMConfig, run: RunDir | None = None) -> RunResult:
     tokenizer = models.load_tokenizer(cfg.tokenizer or cfg.model, trust_remote_code=cfg.trust_remote_code)
     model = models.build_reward_model_from_causal(cfg.model, tokenizer, dtype=cfg.dtype,
                                                   trust_remote_code=cfg.trust_remote_code)
+    model = float32_for_training(model, f"reward model from {cfg.model}")  # whole weights train
     model.config.pad_token_id = tokenizer.pad_token_id
     model.to(resolve_device(cfg.device))
     models.disable_dropout(model)

@@ -13,7 +13,7 @@ import torch
 from transformers import get_scheduler
 
 from rlhflab import models, tasks
-from rlhflab.errors import UserInputError
+from rlhflab.models.precision import check_trainable_float32, float32_for_training
 
 log = logging.getLogger("rlhflab")
 
@@ -52,14 +52,6 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def check_full_precision(dtype: str, lora: bool) -> None:
-    """Refuse full fine-tuning of bf16/fp16 weights: with no fp32 master copy, AdamW steps
-    smaller than one bf16 step (~0.4 % of a weight) are rounded away."""
-    if dtype in ("bfloat16", "float16") and not lora:
-        raise UserInputError(f"full fine-tuning with dtype={dtype} would lose small updates to rounding",
-                             "--dtype", "use --dtype float32, or train LoRA adapters (--lora_r 8) on the low-precision base")
-
-
 def seed_everything(seed: int, deterministic: bool = False) -> None:
     """Seed python, numpy and torch; with `deterministic`, also ask torch for deterministic kernels.
 
@@ -79,11 +71,13 @@ def seed_everything(seed: int, deterministic: bool = False) -> None:
 
 
 def load_or_build_policy(cfg) -> tuple[torch.nn.Module, object]:
-    """Load `cfg.model` with from_pretrained, or build the tiny default when it is empty."""
+    """Load `cfg.model` with from_pretrained, or build the tiny default when it is empty. Its whole
+    weights train: loaded in bf16 / fp16 (asked for, or `dtype=auto` on a half checkpoint), it is cast
+    to float32 (models/precision.py)."""
     if cfg.model:
         tokenizer = models.load_tokenizer(cfg.tokenizer or cfg.model, trust_remote_code=cfg.trust_remote_code)
         model = models.load_causal_lm(cfg.model, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code)
-        return model, tokenizer
+        return float32_for_training(model, f"SFT model {cfg.model}"), tokenizer
     tokenizer = models.build_tokenizer(tasks.template_corpus(), vocab_size=cfg.vocab_size)
     model = models.build_tiny_model(
         tokenizer,
@@ -100,9 +94,12 @@ def load_or_build_policy(cfg) -> tuple[torch.nn.Module, object]:
 
 def make_optimizer(params, cfg, fused: bool = False) -> torch.optim.Optimizer:
     """AdamW on the trainable parameters. `fused`: torch's one-kernel AdamW (same update, other rounding
-    order): 0.6 ms instead of 3.5 ms a step for the demo model's 29 tensors on one CPU thread."""
+    order): 0.6 ms instead of 3.5 ms a step for the demo model's 29 tensors on one CPU thread.
+    Every trainable tensor must be float32 (models/precision.py: no in-place half-precision AdamW)."""
+    params = [p for p in params if p.requires_grad]
+    check_trainable_float32(params)
     return torch.optim.AdamW(
-        [p for p in params if p.requires_grad],
+        params,
         lr=cfg.learning_rate,
         betas=(cfg.adam_beta1, cfg.adam_beta2),
         eps=cfg.adam_eps,

@@ -32,7 +32,6 @@ from rlhflab.trainers.nonfinite import clip_and_step, guarded_step
 from rlhflab.trainers.single_state import pack_single, unpack_single
 from rlhflab.trainers.validation import validate_pass_rate
 from rlhflab.trainers.setup import (
-    check_full_precision,
     configure_threads,
     load_or_build_policy,
     make_optimizer,
@@ -173,7 +172,6 @@ def train(cfg: SFTConfig, run: RunDir | None = None) -> RunResult:
     seed_everything(cfg.seed, cfg.deterministic)
     if cfg.max_steps < 1 or cfg.batch_size < 1 or cfg.gradient_accumulation_steps < 1:
         raise UserInputError("max_steps, batch_size and gradient_accumulation_steps must be >= 1", "sft config")
-    check_full_precision(cfg.dtype, lora=False)
     # 1. model and tokenizer (the tiny default is built from the suite's templates)
     model, tokenizer = load_or_build_policy(cfg)
     model.to(resolve_device(cfg.device))
