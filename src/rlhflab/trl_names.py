@@ -61,8 +61,9 @@ TRL_NAMES: dict[str, Counterpart] = {
         "batch_size", note="rlhflab's --batch_size is the global batch of one update (for PPO the prompts of one "
                            "rollout) = per_device_train_batch_size x gradient_accumulation_steps x GPUs in TRL; "
                            "rlhflab's --gradient_accumulation_steps then cuts it into micro-batches"),
-    "local_rollout_forward_batch_size": _none("a rollout's --batch_size prompts are generated and scored in one "
-                                              "batch; lower --batch_size to use less memory there"),
+    "local_rollout_forward_batch_size": _none("a rollout's --batch_size prompts are generated and run through the "
+                                              "policy, reference and value in one batch; lower --batch_size to use "
+                                              "less memory there"),
     "stop_token": _none("responses always stop at the tokenizer's EOS and everything after it is masked "
                         "(TRL's --stop_token eos)"),
     "stop_token_id": _none("responses always stop at the tokenizer's EOS (TRL's --stop_token eos)"),
