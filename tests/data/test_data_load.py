@@ -1,4 +1,4 @@
-"""read_records: JSONL line numbers, Parquet and save_to_disk round-trips, path errors."""
+"""read_records: JSONL line numbers, Parquet, save_to_disk and data folders, datasets names, path errors."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from rlhflab.data import Record, SFTExample, load_examples, read_records
+from rlhflab.data import PairExample, Record, SFTExample, load_examples, read_records
 from rlhflab.errors import UserInputError
 
 ROWS = [
@@ -88,3 +88,91 @@ def test_unsupported_extension_and_plain_folder(tmp_path):
     with pytest.raises(UserInputError, match="folder is neither a saved Hugging Face dataset nor a "
                                              "folder of data files datasets can read"):
         read_records(tmp_path / "empty_dir")
+
+
+def conversation(answer: str) -> list[dict]:
+    return [{"role": "user", "content": "say hi"}, {"role": "assistant", "content": answer}]
+
+
+PAIRS = {  # implicit-prompt conversational pairs (every file of a datasets folder has one schema)
+    "train": [{"chosen": conversation("hi"), "rejected": conversation("bye")},
+              {"chosen": conversation("hello"), "rejected": conversation("hi hi")}],
+    "test": [{"chosen": conversation("good"), "rejected": conversation("bad")}],
+}
+
+
+@pytest.fixture(autouse=True)
+def datasets_cache(tmp_path, monkeypatch):
+    """datasets.load_dataset writes Arrow copies of what it reads: keep them in the test's folder."""
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf-cache")
+
+
+@pytest.fixture
+def data_folder(tmp_path, write_jsonl):
+    """A folder of data files (not a save_to_disk folder): one JSONL file per split."""
+    folder = tmp_path / "prefs"
+    folder.mkdir()
+    for split, rows in PAIRS.items():
+        write_jsonl(rows, name=f"prefs/{split}.jsonl")
+    return folder
+
+
+def test_folder_of_data_files_is_read_by_datasets_per_split(data_folder):
+    records = read_records(data_folder, split="train")
+    assert [r.row for r in records] == PAIRS["train"]
+    assert [(r.source, r.line, r.index) for r in records] == [(f"{data_folder}[train]", None, 0),
+                                                              (f"{data_folder}[train]", None, 1)]
+    # NAME:SPLIT picks the split of that one dataset, over `split`
+    assert [r.row for r in read_records(f"{data_folder}:test", split="train")] == PAIRS["test"]
+    examples = load_examples(f"{data_folder}:test", "pairs")
+    assert examples == [PairExample("user: say hi\nassistant: ", "good", "bad")]
+    assert load_examples(data_folder, "pairs", split="train[1:]") == [
+        PairExample("user: say hi\nassistant: ", "hello", "hi hi")]
+
+
+def test_folder_of_data_files_split_errors(data_folder):
+    with pytest.raises(UserInputError, match=r"the dataset has several splits; available splits: 'train', 'test'"):
+        read_records(data_folder)
+    with pytest.raises(UserInputError) as e:
+        read_records(f"{data_folder}:validation")
+    assert f"datasets could not load {str(data_folder)!r} with config 'default' and split 'validation'" in str(e.value)
+    assert "Should be one of ['train', 'test']" in str(e.value)
+    with pytest.raises(UserInputError, match="BuilderConfig 'nope' not found"):
+        read_records(data_folder, split="train", config="nope")
+
+
+def test_folder_whose_files_disagree_on_a_column_type(data_folder, write_jsonl):
+    write_jsonl([{"chosen": "The sky is blue.", "rejected": "The sky is green."}], name="prefs/test.jsonl")
+    with pytest.raises(UserInputError) as e:
+        read_records(data_folder, split="train")
+    assert f"datasets could not build {str(data_folder)!r}: Couldn't cast array of type" in str(e.value)
+    assert "-> give every file of the dataset the same columns, each of one type" in str(e.value)
+
+
+def test_a_dataset_with_one_split_needs_no_split_name(tmp_path, write_jsonl):
+    (tmp_path / "only").mkdir()
+    write_jsonl(ROWS[:2], name="only/rows.jsonl")  # datasets calls a lone file's split "train"
+    assert [r.row for r in read_records(tmp_path / "only")] == [{**r, "family": r["family"]} for r in ROWS[:2]]
+    datasets.DatasetDict({"valid": datasets.Dataset.from_list(ROWS[:1])}).save_to_disk(str(tmp_path / "dd"))
+    [record] = read_records(tmp_path / "dd")
+    assert record.source == f"{tmp_path / 'dd'}[valid]" and record.row == ROWS[0]
+
+
+def test_unreachable_hub_name_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)  # no network retries in the test
+    with pytest.raises(UserInputError) as e:
+        read_records("someone/no-such-dataset", split="train")
+    msg = str(e.value)
+    assert msg.startswith("no local file or folder 'someone/no-such-dataset' exists, and datasets could not load it "
+                          "from the Hugging Face Hub (the Hub could not be reached, or has no such dataset; "
+                          "ConnectionError: ")
+    assert "-> check the path (relative to the current directory) or the dataset id" in msg
+
+
+def test_path_like_names_and_splits_of_files(tmp_path, write_jsonl):
+    with pytest.raises(UserInputError, match="data file or folder not found: 'data/missing.parquet'"):
+        read_records("data/missing.parquet")
+    path = write_jsonl(ROWS[:1])
+    with pytest.raises(UserInputError, match=f"a single file has no splits, but '{path}:test' names split 'test'"):
+        read_records(f"{path}:test")
+    assert [r.row for r in read_records(path, split="train")] == ROWS[:1]  # a default split is no error

@@ -23,7 +23,7 @@ FORMAT_COLUMNS = ("prompt", "completion", "chosen", "rejected", "messages", "tex
 # (columns that must all be present, format name); the first match names the row's format
 FORMATS = (
     (frozenset({"prompt", "chosen", "rejected"}), "preference"),
-    (frozenset({"chosen", "rejected"}), "preference with implicit prompt"),
+    (frozenset({"chosen", "rejected"}), "implicit-prompt preference"),
     (frozenset({"prompt", "completion"}), "prompt-completion"),
     (frozenset({"messages"}), "conversational language modelling"),
     (frozenset({"text"}), "language modelling"),

@@ -159,6 +159,12 @@ def _load_dataset(name: str, config: str | None, split: str | None, local: bool)
         ds = datasets.load_dataset(name, config or None, split=split)
     except (ConnectionError, FileNotFoundError) as e:  # offline, not on the Hub, a folder without data files
         raise _not_loadable(name, local, e) from e
+    except datasets.exceptions.DatasetGenerationError as e:  # e.g. a column's type differs between files
+        raise UserInputError(
+            f"datasets could not build {name!r}: {' '.join(str(e.__cause__ or e).split())}",
+            fix="give every file of the dataset the same columns, each of one type (a column holds strings in "
+            "every row, or message lists in every row)",
+        ) from e
     except ValueError as e:  # an unknown split or config: datasets names the ones it has
         raise UserInputError(
             f"datasets could not load {name!r} with config {config or 'default'!r} and split {split!r}: {e}",
