@@ -126,13 +126,14 @@ def held_out_pass_rate(model_dir: str, threads: int) -> float:
 
     from rlhflab import models
     from rlhflab.config import EvalConfig
-    from rlhflab.eval import answer_and_check, eval_items, table_from_rows
+    from rlhflab.eval import answer_and_check, eval_prompts, eval_verifier, table_from_rows
 
     torch.set_num_threads(threads)
     cfg = EvalConfig(model=model_dir, split="test", do_sample=False, max_new_tokens=32, device="cpu")
     model = models.load_causal_lm(model_dir)
     tokenizer = models.load_tokenizer(model_dir)
-    return table_from_rows(answer_and_check(model, tokenizer, eval_items(cfg), cfg))["overall"]
+    rows = eval_prompts(cfg)
+    return table_from_rows(answer_and_check(model, tokenizer, rows, eval_verifier(cfg, rows), cfg))["overall"]
 
 
 def benchmark(assets: Assets, configs: list[str], threads_list: list[int], repeats: int, run_root: Path,

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from rlhflab import models, rewards
+from rlhflab.data.prompt_rows import PromptRow
 from rlhflab.config import (
     DemoConfig,
     EvalConfig,
@@ -35,7 +36,7 @@ from rlhflab.config import (
     read_yaml_config,
     write_config,
 )
-from rlhflab.eval import RunMonitor, answer_and_check, eval_items, table_from_rows
+from rlhflab.eval import RunMonitor, answer_and_check, eval_prompts, table_from_rows
 from rlhflab.eval.rm_diagnosis import diagnose
 from rlhflab.errors import UserInputError
 from rlhflab.tracking import RunDir, RunResult, default_run_path
@@ -88,7 +89,7 @@ def test_answers(run: RunDir, name: str, model_dir, demo: DemoConfig) -> list[di
     model = models.load_causal_lm(cfg.model, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code,
                                   device=resolve_device(cfg.device))
     tokenizer = models.load_tokenizer(cfg.model, trust_remote_code=cfg.trust_remote_code)
-    rows = answer_and_check(model, tokenizer, eval_items(cfg), cfg, progress=False)
+    rows = answer_and_check(model, tokenizer, eval_prompts(cfg), rewards.CheckerVerifier(), cfg, progress=False)
     run.add_samples({"stage": name, **row} for row in rows)
     run.log({f"test/pass_rate/{name}": table_from_rows(rows)["overall"]}, step=0)
     return rows
@@ -104,7 +105,8 @@ def mean_rm_scores(rm_dir, answers: dict[str, list[dict]], demo: DemoConfig) -> 
     means = {}
     with torch.no_grad():
         for name, rows in answers.items():
-            scored = score([r["prompt"] for r in rows], [r["answer"] for r in rows], [None] * len(rows))
+            prompts = [r["prompt"] for r in rows]
+            scored = score(prompts, [r["answer"] for r in rows], [PromptRow(p) for p in prompts])
             means[name] = round(float(scored.scores.mean()), 4)
     return means
 

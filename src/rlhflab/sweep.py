@@ -42,7 +42,9 @@ WHERE = "rlhflab sweep"
 NOT_VARIED = ("output_dir", "overwrite", "resume")  # where a run goes or starts from, not how it trains
 # stage -> (label of its held-out number, how to read it from summary.json)
 HELD_OUT = {
-    "ppo": ("final val pass rate", lambda s: (s.get("validation_pass_rate") or {}).get("end")),
+    # the saved policy's (after keep_best), by the verifier; the reward's own mean when there is none
+    "ppo": ("saved policy's val pass rate (or val reward without a verifier)",
+            lambda s: (s.get("validation_pass_rate") or s.get("validation_reward") or {}).get("end")),
     "sft": ("final val pass rate", lambda s: (s.get("validation") or {}).get("val/pass_rate")),
     "rm": ("val pair accuracy", lambda s: ((s.get("pairs") or {}).get("validation") or {}).get("accuracy")),
 }

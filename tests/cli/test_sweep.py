@@ -72,7 +72,7 @@ def test_sweep_writes_a_comparison_page_and_prints_the_table(swept):
     (["--vary", "clip_range=0.1,0.2"], "did you mean 'cliprange'"),
     (["--vary", "cliprange=0.1,0.2,big"], "'big' is not a number"),
     (["--vary", "batch_size=8,16.5"], "'16.5' is not an int"),
-    (["--vary", "reward=checker,modle"], "choose from checker, model, combined, random"),
+    (["--vary", "reward=checker,modle"], "choose from auto, checker, model, combined, random"),
     (["--vary", "whiten_advantages=true,maybe"], "'maybe' is not a boolean"),
     (["--vary", "cliprange=0.2"], "two or more distinct values"),
     (["--vary", "cliprange=0.2,0.20"], "two or more distinct values"),

@@ -5,7 +5,7 @@ import logging
 
 import pytest
 
-from rlhflab import models, tasks
+from rlhflab import models, rewards, sources, tasks
 from rlhflab.config import PPOConfig
 from rlhflab.tracking import RunDir
 from rlhflab.trainers.ppo_eval import PPOEvaluator, samples_table
@@ -34,7 +34,8 @@ def evaluator_run(tmp_path, policy_and_tokenizer, console_samples: int):
     cfg = PPOConfig(model="unused", eval_prompts=5, sample_prompts=2, console_samples=console_samples,
                     max_new_tokens=4, num_train_prompts=22, num_validation_prompts=11, num_test_prompts=11)
     run = RunDir(tmp_path / f"run{console_samples}")
-    evaluator = PPOEvaluator(tasks.build_splits(0, 22, 11, 11)["validation"], tokenizer, cfg, run)
+    rows = sources.suite_prompts(tasks.build_splits(0, 22, 11, 11)["validation"], "validation")
+    evaluator = PPOEvaluator(rows, tokenizer, cfg, run, rewards.CheckerVerifier())
     metrics = evaluator.evaluate(policy, step=3, episode=24)
     run.close()
     return metrics, run

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import time
 
-from rlhflab import data, models, tasks
+from rlhflab import models, rewards, sources, tasks
 from rlhflab.config import EvalConfig, write_config
+from rlhflab.data.prompt_rows import PromptRow
 from rlhflab.errors import UserInputError
 from rlhflab.tracking import RunDir, RunResult, default_run_path
 from rlhflab.trainers.setup import configure_threads, resolve_device, seed_everything
@@ -13,13 +14,24 @@ from rlhflab.trainers.validation import checked_answers as answer_and_check
 from rlhflab.trainers.validation import pass_rate_table as table_from_rows
 
 
-def eval_items(cfg: EvalConfig) -> list[tasks.TaskItem]:
-    """The built-in split, or a prompts file with `prompt`, `family` and `reference` columns."""
+def eval_prompts(cfg, tokenizer=None) -> list[PromptRow]:
+    """The built-in split, or the rows of `cfg.prompts_file` (TRL prompt-only format, other columns kept)."""
     if not cfg.prompts_file:
         splits = tasks.build_splits(cfg.split_seed, cfg.num_train_prompts, cfg.num_validation_prompts, cfg.num_test_prompts)
-        return splits[cfg.split]
-    rows = data.load_examples(cfg.prompts_file, "prompts", strict=True)
-    return [tasks.TaskItem(r.family or "user", r.prompt, r.reference or "", ()) for r in rows]
+        return sources.suite_prompts(splits[cfg.split], cfg.split)
+    return sources.file_prompts(cfg.prompts_file, tokenizer, strict=True)
+
+
+def eval_verifier(cfg, rows: list[PromptRow]) -> rewards.Verifier:
+    """`--verifier`, else the suite's checker: on a prompts file only when its rows carry family and reference."""
+    if cfg.verifier.strip() and cfg.verifier.strip() != "checker":
+        return rewards.FunctionVerifier(rewards.load_function(cfg.verifier, "--verifier"))
+    unchecked = [r.where for r in rows if rewards.task_item(r) is None]
+    if unchecked:
+        raise UserInputError(f"{len(unchecked)} of {len(rows)} prompts have no suite 'family' / 'reference' for the "
+                             f"checker (first: {unchecked[0]})", "--verifier",
+                             "pass --verifier FILE.py:NAME, a function that says which answers are right")
+    return rewards.CheckerVerifier()
 
 
 def format_table(tables: dict[str, dict], title: str = "held-out pass rate") -> str:
@@ -48,16 +60,17 @@ def evaluate(cfg: EvalConfig, run: RunDir | None = None) -> RunResult:
     tokenizer = models.load_tokenizer(cfg.tokenizer or cfg.model, trust_remote_code=cfg.trust_remote_code)
     model = models.load_causal_lm(cfg.model, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code,
                                   device=resolve_device(cfg.device))
-    items = eval_items(cfg)
+    items = eval_prompts(cfg, tokenizer)
+    verifier = eval_verifier(cfg, items)
     run = run or RunDir(cfg.output_dir or default_run_path("eval"), overwrite=cfg.overwrite, report_to=cfg.report_to)
     write_config(cfg, run.path / "config.yaml")
     run.write_versions(cfg.seed)
-    rows = answer_and_check(model, tokenizer, items, cfg, progress=cfg.progress)
+    rows = answer_and_check(model, tokenizer, items, verifier, cfg, progress=cfg.progress)
     run.add_samples(rows)
     table = table_from_rows(rows)
     run.log({f"{cfg.split}/pass_rate": table["overall"]}, step=0)
     summary = run.update_summary(
-        stage="eval", model=cfg.model, split=cfg.split, pass_rate=table,
+        stage="eval", model=cfg.model, split=cfg.prompts_file or cfg.split, verifier=verifier.name, pass_rate=table,
         decoding="sampled" if cfg.do_sample else "greedy", wall_time_s={"eval": round(time.time() - started, 1)},
     )
     run.close()

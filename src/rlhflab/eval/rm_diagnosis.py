@@ -14,13 +14,16 @@ from __future__ import annotations
 
 import math
 import time
+from typing import NamedTuple
 
 import torch
 
-from rlhflab import models, rewards, tasks
+from rlhflab import models, rewards
 from rlhflab.config import RMDiagnoseConfig, write_config
+from rlhflab.data.prompt_rows import PromptRow
 from rlhflab.errors import UserInputError
 from rlhflab.eval.length_bias import length_bias_probe
+from rlhflab.eval.pass_rate import eval_prompts, eval_verifier
 from rlhflab.tracking import RunDir, RunResult, default_run_path
 from rlhflab.trainers.setup import configure_threads, resolve_device, seed_everything
 from rlhflab.trainers.validation import checked_answers
@@ -83,6 +86,17 @@ def worst_cases_text(summary: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+class ReferenceAnswer(NamedTuple):
+    prompt: str
+    reference: str
+
+
+def reference_answers(rows: list[PromptRow]) -> list[ReferenceAnswer]:
+    """The rows' `reference` answers, for the length-bias probe (rows without one are left out)."""
+    return [ReferenceAnswer(r.prompt, r.columns["reference"]) for r in rows
+            if isinstance(r.columns.get("reference"), str) and r.columns["reference"]]
+
+
 def check_diagnose_config(cfg: RMDiagnoseConfig) -> None:
     """Values the diagnosis cannot run with, refused before anything is generated."""
     if cfg.samples_per_prompt < 1:
@@ -104,13 +118,14 @@ def diagnose(cfg: RMDiagnoseConfig, run: RunDir | None = None) -> RunResult:
     rm_tokenizer = models.load_tokenizer(cfg.reward_model, trust_remote_code=cfg.trust_remote_code)
     rm = models.load_reward_model(cfg.reward_model, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code,
                                   tokenizer=rm_tokenizer).to(device).eval()
-    splits = tasks.build_splits(cfg.split_seed, cfg.num_train_prompts, cfg.num_validation_prompts, cfg.num_test_prompts)
-    items = [item for item in splits[cfg.split] for _ in range(cfg.samples_per_prompt)]
+    prompts = eval_prompts(cfg, tokenizer)
+    verifier = eval_verifier(cfg, prompts)
+    items = [row for row in prompts for _ in range(cfg.samples_per_prompt)]
     run = run or RunDir(cfg.output_dir or default_run_path("rm-diagnose"), overwrite=cfg.overwrite,
                         report_to=cfg.report_to)
     write_config(cfg, run.path / "config.yaml")
     run.write_versions(cfg.seed)
-    rows = checked_answers(policy, tokenizer, items, cfg, progress=cfg.progress)
+    rows = checked_answers(policy, tokenizer, items, verifier, cfg, progress=cfg.progress)
     with torch.no_grad():
         scored = rewards.ModelReward(rm, rm_tokenizer)([r["prompt"] for r in rows], [r["answer"] for r in rows], items)
     for row, score in zip(rows, scored.scores.tolist()):
@@ -119,11 +134,11 @@ def diagnose(cfg: RMDiagnoseConfig, run: RunDir | None = None) -> RunResult:
     summary = diagnosis_summary(rows, cfg.worst_cases)
     (run.path / "worst_cases.md").write_text(worst_cases_text(summary))
     headline = {k: v for k, v in summary.items() if not k.startswith("worst")}
-    length_bias = length_bias_probe(rm, rm_tokenizer, splits[cfg.split])  # each prompt once, reference answers
+    length_bias = length_bias_probe(rm, rm_tokenizer, reference_answers(prompts))  # each prompt once
     run.log({**{f"rm_diagnosis/{k}": v for k, v in headline.items()},
              **{f"length_bias/{k}": length_bias[k] for k in ("mean_change", "share_raised", "change_per_token")}},
             step=0)
-    out = run.update_summary(stage="rm diagnose", split=cfg.split, rm_diagnosis=headline, length_bias=length_bias,
+    out = run.update_summary(stage="rm diagnose", split=cfg.prompts_file or cfg.split, verifier=verifier.name, rm_diagnosis=headline, length_bias=length_bias,
                              decoding="sampled" if cfg.do_sample else "greedy",
                              wall_time_s={"diagnose": round(time.time() - started, 1)})
     run.close()

@@ -26,6 +26,7 @@ class Check:
     after: float
     before_label: str = ""
     before: float | None = None
+    is_rate: bool = True  # a pass rate or accuracy (shown in %); False: a reward mean (shown as is)
 
     @property
     def delta(self) -> float | None:
@@ -50,6 +51,11 @@ def _summary_checks(summary: dict[str, Any]) -> list[Check]:
     start, end = as_number(val.get("start")), as_number(val.get("end"))
     if end is not None:
         checks.append(Check("held-out validation pass rate", "end", end, "start", start))
+    reward = summary.get("validation_reward") or {}
+    start, end = as_number(reward.get("start")), as_number(reward.get("end"))
+    if end is not None:
+        checks.append(Check("validation reward (the reward's own opinion, no verifier)", "end", end, "start", start,
+                            is_rate=False))
     overall = as_number((summary.get("pass_rate") or {}).get("overall"))
     if overall is not None:
         checks.append(Check(f"held-out {summary.get('split', 'eval')} pass rate", "", overall))
@@ -76,11 +82,13 @@ def held_out_checks(run: RunFolder) -> list[Check]:
 
 def describe(check: Check) -> str:
     """'held-out test pass rate 49.0% → 67.0% (+18.0 points, sft → ppo)'."""
+    show = pct if check.is_rate else (lambda x: f"{x:.3f}")
     if check.before is None:
         where = f" ({check.after_label})" if check.after_label else ""
-        return f"{check.what} {pct(check.after)}{where}"
+        return f"{check.what} {show(check.after)}{where}"
     labels = f", {check.before_label} → {check.after_label}" if check.before_label else ""
-    return f"{check.what} {pct(check.before)} → {pct(check.after)} ({check.delta * 100:+.1f} points{labels})"
+    change = f"{check.delta * 100:+.1f} points" if check.is_rate else f"{check.delta:+.3f}"
+    return f"{check.what} {show(check.before)} → {show(check.after)} ({change}{labels})"
 
 
 def overall_verdict(checks: list[Check]) -> tuple[str, str]:
@@ -111,6 +119,12 @@ def verdict_html(run: RunFolder) -> Markup:
     parts = [tag("p", tag("strong", sentence), class_=f"verdict {kind}")]
     if checks:
         parts.append(tag("ul", join(_check_line(c) for c in checks)))
+    held_out = run.summary.get("held_out")
+    if isinstance(held_out, dict) and held_out.get("verifier") is None and held_out.get("note"):
+        parts.append(tag("p", "⚠ No verifier in this run: the held-out number is the training reward's own opinion "
+                              "of answers to validation prompts, not an independent check. A reward that can be "
+                              "gamed rises here too; read it with the KL to the reference, and pass --verifier "
+                              "to measure what the model really gets right.", class_="banner"))
     halt = stopped(run)
     if halt:
         step, reason = halt
@@ -119,8 +133,10 @@ def verdict_html(run: RunFolder) -> Markup:
     best = run.summary.get("best")
     if isinstance(best, dict) and best.get("restored"):
         rate = as_number(best.get("val/pass_rate"))
+        value = f"validation pass rate {pct(rate)}" if rate is not None else \
+            f"validation reward {as_number(best.get('val/reward')) or float('nan'):.3f}"
         parts.append(tag("p", f"The saved policy is the best one seen, from step {best.get('step')} "
-                              f"(validation pass rate {pct(rate)}), not the last one.", class_="banner"))
+                              f"({value}), not the last one.", class_="banner"))
     return join(parts)
 
 
