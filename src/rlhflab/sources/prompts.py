@@ -43,36 +43,23 @@ def suite_prompts(items: list[tasks.TaskItem], split: str) -> list[PromptRow]:
 def file_prompts(path: str, tokenizer, *, max_prompt_tokens: int | None = None, strict: bool = False,
                  split: str | None = None, config: str | None = None) -> list[PromptRow]:
     """Prompt rows of a user file or dataset (prompt-only rows; other formats give their prompt)."""
-    kwargs = _dataset_kwargs(split, config)
     examples = data.load_examples(path, "prompts", tokenizer=tokenizer, max_prompt_tokens=max_prompt_tokens,
-                                  strict=strict, **kwargs)
-    rows = []
-    for n, example in enumerate(examples):
-        columns = dict(getattr(example, "columns", None) or {})
-        for name in ("family", "reference"):
-            if getattr(example, name, None) is not None:
-                columns.setdefault(name, getattr(example, name))
-        where = getattr(example, "where", None) or f"{path}, prompt #{n}"
-        rows.append(PromptRow(example.prompt, columns, where))
-    return rows
+                                  strict=strict, split=split, config=config)
+    return [PromptRow(e.prompt, _with_reference(e), e.where) for e in examples]
 
 
-def _dataset_kwargs(split: str | None, config: str | None) -> dict:
-    """Only what the data layer's loader accepts (split always; the dataset config where it has one)."""
-    import inspect
-
-    accepted = inspect.signature(data.load_examples).parameters
-    kwargs = {"split": split}
-    if config and "config" in accepted:
-        kwargs["config"] = config
-    return kwargs
+def _with_reference(example: data.PromptExample) -> dict:
+    """The row's columns, plus the reference answer a `messages` row's last assistant turn gave."""
+    if example.reference is None or "reference" in example.columns:
+        return dict(example.columns)
+    return {**example.columns, "reference": example.reference}
 
 
 def prompt_splits(cfg, tokenizer) -> PromptSplits:
     """Train and validation prompts named by `cfg` (train_file, validation_file, suite fields)."""
     load = lambda path, split: file_prompts(  # noqa: E731
         path, tokenizer, max_prompt_tokens=cfg.max_prompt_tokens, strict=cfg.strict, split=split,
-        config=getattr(cfg, "dataset_config", "") or None)
+        config=cfg.dataset_config or None)
     if not cfg.train_file:
         if cfg.validation_file:
             raise UserInputError("--validation_file without --train_file", "--validation_file",
@@ -81,9 +68,9 @@ def prompt_splits(cfg, tokenizer) -> PromptSplits:
                                     cfg.num_test_prompts)
         return PromptSplits(suite_prompts(splits["train"], "train"), suite_prompts(splits["validation"], "validation"),
                             SUITE)
-    train = load(cfg.train_file, getattr(cfg, "dataset_split", None) or "train")
+    train = load(cfg.train_file, cfg.dataset_split or None)
     if cfg.validation_file:
-        validation = load(cfg.validation_file, getattr(cfg, "validation_split", None) or None)
+        validation = load(cfg.validation_file, None)  # NAME:SPLIT, or the dataset's only split
         return PromptSplits(train, validation, cfg.train_file)
     train, validation = hold_out(train, cfg.eval_prompts, cfg.seed)
     return PromptSplits(train, validation, cfg.train_file)
