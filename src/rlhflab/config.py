@@ -81,10 +81,9 @@ class SuiteFields:
 
 
 @dataclass(frozen=True)
-class DataFields:
-    train_file: str = arg("", "training data in any of TRL's formats (README \"Data formats\"): JSONL, Parquet, "
-                              "a datasets folder or a datasets name (hub id); empty = built-in suite")
-    validation_file: str = arg("", "validation data, same formats; empty = built-in suite's validation split")
+class DatasetFields:
+    """How a data file or dataset name is read (rlhflab.data.load)."""
+
     dataset_split: str = arg("train", "split of --train_file when it is a datasets name or folder with splits; "
                                       "NAME:SPLIT in --train_file / --validation_file picks one for that file "
                                       "(e.g. trl-lib/tldr:validation); --validation_file without one uses its "
@@ -92,20 +91,26 @@ class DataFields:
     dataset_config: str = arg("", "configuration (subset) of a datasets name in --train_file / --validation_file; "
                                   "empty = its default")
     max_prompt_tokens: int = arg(96, "prompts longer than this are bad rows")
-    max_length: int = arg(160, "prompt + completion tokens per training sequence")
     strict: bool = arg(False, "fail on the first bad data row instead of dropping bad rows")
 
 
 @dataclass(frozen=True)
-class PromptFileFields:
+class DataFields(DatasetFields):
+    train_file: str = arg("", "training data in any of TRL's formats (README \"Data formats\"): JSONL, Parquet, "
+                              "a datasets folder or a datasets name (hub id); empty = built-in suite")
+    validation_file: str = arg("", "validation data, same formats; empty = built-in suite's validation split")
+    max_length: int = arg(160, "prompt + completion tokens per training sequence")
+
+
+@dataclass(frozen=True)
+class PromptFileFields(DatasetFields):
     """Prompts of the online stages (rlhflab.sources): a user's file or dataset, else the built-in suite."""
 
-    train_file: str = arg("", "training prompts: JSONL, Parquet, a save_to_disk folder or a datasets name, in TRL's "
-                              "prompt-only format (other columns go to reward / verifier functions); empty = built-in suite")
+    train_file: str = arg("", "training prompts in TRL's prompt-only format (or any format with a prompt; README "
+                              "\"Data formats\"): JSONL, Parquet, a datasets folder or name; other columns go to "
+                              "reward / verifier functions; empty = built-in suite")
     validation_file: str = arg("", "validation prompts, same formats; empty = a seeded slice of the train prompts "
                                    "(or the suite's validation split)")
-    max_prompt_tokens: int = arg(96, "prompts longer than this are bad rows")
-    strict: bool = arg(False, "fail on the first bad data row instead of dropping bad rows")
 
 
 @dataclass(frozen=True)
@@ -184,7 +189,11 @@ class EvalConfig(RunFields, ModelFields, SuiteFields, GenerationFields):
     """`rlhflab eval`: generate answers to a split's prompts and check them."""
 
     split: Literal["train", "validation", "test"] = arg("test", "which split of the built-in suite")
-    prompts_file: str = arg("", "prompts file (needs `reference` and `family` columns); empty = built-in suite")
+    prompts_file: str = arg("", "your prompts (JSONL, Parquet, save_to_disk folder or datasets name; prompt-only rows, "
+                                "other columns go to the verifier); empty = the built-in suite's split")
+    verifier: str = arg("", "pass / fail function FILE.py:NAME or package.module:NAME, called as fn(prompts, "
+                            "completions, **columns) -> list of bool; empty = the suite's checker (needs 'family' and "
+                            "'reference' columns in a prompts file)")
 
 
 @dataclass(frozen=True)
@@ -332,6 +341,9 @@ class RMDiagnoseConfig(RunFields, LoadFields, SuiteFields, GenerationFields):
     reward_model: str = arg("", "reward model folder (sequence classifier with one output)")
     policy: str = arg("", "policy whose answers are scored, e.g. the SFT model")
     split: Literal["train", "validation", "test"] = arg("test", "which split of the built-in suite")
+    prompts_file: str = arg("", "your prompts (same formats as eval --prompts_file); empty = the built-in suite's split")
+    verifier: str = arg("", "pass / fail function FILE.py:NAME that says which answers are right; empty = the suite's "
+                            "checker")
     samples_per_prompt: int = arg(2, "answers generated per prompt")
     worst_cases: int = arg(10, "failing answers with the highest reward (and passing with the lowest) to list")
     do_sample: bool = arg(True, "sample answers (a mix of passing and failing) rather than greedy")

@@ -6,11 +6,13 @@ import logging
 
 import torch
 
-from rlhflab import models, rewards, tasks
+from rlhflab import models, rewards
 from rlhflab.config import PPOConfig
 from rlhflab.errors import UserInputError
 from rlhflab.rollout import GenerationSettings, generate_answers
 from rlhflab.rollout.roles import PolicyRoles
+from rlhflab.data.prompt_rows import PromptRow
+from rlhflab.sources import PromptSplits
 from rlhflab.models.precision import float32_for_training
 from rlhflab.trainers.setup import resolve_device
 
@@ -31,6 +33,9 @@ def check_ppo_config(cfg: PPOConfig) -> None:
         raise UserInputError("adaptive_kl needs kl_target > 0 and kl_horizon > 0", "--kl_target / --kl_horizon")
     if cfg.reward_model and cfg.reward in ("checker", "random"):
         log.warning("reward=%s: --reward_model %s is not used", cfg.reward, cfg.reward_model)
+    if cfg.reward in ("checker", "combined") and cfg.train_file and not cfg.verifier.strip():
+        log.warning("reward=%s on your own prompts: the suite's checker scores only rows with 'family' and "
+                    "'reference' columns", cfg.reward)
     if cfg.total_episodes % cfg.batch_size:
         log.warning("total_episodes %d is not a multiple of batch_size %d: running %d episodes",
                     cfg.total_episodes, cfg.batch_size, cfg.total_episodes // cfg.batch_size * cfg.batch_size)
@@ -100,7 +105,7 @@ def build_roles(cfg: PPOConfig) -> tuple[PolicyRoles, object]:
     return roles, tokenizer
 
 
-def calibrate_reward_model(learned: rewards.ModelReward, policy, tokenizer, items: list[tasks.TaskItem],
+def calibrate_reward_model(learned: rewards.ModelReward, policy, tokenizer, rows: list[PromptRow],
                            cfg: PPOConfig) -> dict:
     """Shift and scale so the starting policy's own answers score mean 0, std 1.
 
@@ -109,31 +114,87 @@ def calibrate_reward_model(learned: rewards.ModelReward, policy, tokenizer, item
     """
     settings = GenerationSettings(cfg.response_length, True, cfg.temperature)
     generator = torch.Generator().manual_seed(cfg.seed + 1)
-    answers = generate_answers(policy, tokenizer, [i.prompt for i in items], settings, generator=generator)
-    raw = rewards.ModelReward(learned.reward_model, learned.tokenizer)(
-        [i.prompt for i in items], [a.text for a in answers], items).scores
+    prompts = [r.prompt for r in rows]
+    answers = generate_answers(policy, tokenizer, prompts, settings, generator=generator)
+    raw = rewards.ModelReward(learned.reward_model, learned.tokenizer)(prompts, [a.text for a in answers], rows).scores
     shift, scale = raw.mean().item(), max(raw.std().item(), 1e-6)
     log.info("reward model normalised on %d answers of the starting policy: shift %.3f, scale %.3f",
-             len(items), shift, scale)
-    return {"shift": shift, "scale": scale, "calibration_answers": len(items)}
+             len(rows), shift, scale)
+    return {"shift": shift, "scale": scale, "calibration_answers": len(rows)}
 
 
-def build_reward(cfg: PPOConfig, tokenizer, policy=None, calibration_items=None) -> tuple[object, dict]:
-    """The reward source named by `cfg.reward`, behind one call, and how RM scores were normalised."""
-    checker = rewards.CheckerReward()
-    if cfg.reward == "checker":
-        return checker, {}
-    if cfg.reward == "random":
+def reward_functions(cfg) -> list[tuple[rewards.FunctionReward, float]]:
+    """(source, weight) for each `--reward_fn`, weights from `--reward_weights` (1 each when empty)."""
+    specs = [s.strip() for s in cfg.reward_fn.split(",") if s.strip()]
+    weights = [1.0] * len(specs)
+    if cfg.reward_weights.strip():
+        try:
+            weights = [float(w) for w in cfg.reward_weights.split(",")]
+        except ValueError as err:
+            raise UserInputError(f"--reward_weights {cfg.reward_weights!r} is not a list of numbers",
+                                 "--reward_weights", "e.g. --reward_weights 1.0,0.5") from err
+        if len(weights) != len(specs):
+            raise UserInputError(f"{len(weights)} reward weights for {len(specs)} reward functions",
+                                 "--reward_weights", "give one weight per --reward_fn function, in the same order")
+    return [(rewards.FunctionReward(rewards.load_function(spec, "--reward_fn")), w) for spec, w in zip(specs, weights)]
+
+
+def reward_kind(cfg: PPOConfig) -> str:
+    """`cfg.reward` with "auto" resolved: model and / or functions when given, else the checker."""
+    if cfg.reward != "auto":
+        return cfg.reward
+    if cfg.reward_model:
+        return "model"
+    return "functions" if cfg.reward_fn.strip() else "checker"
+
+
+def build_reward(cfg: PPOConfig, tokenizer, policy=None, calibration_rows=None) -> tuple[object, dict]:
+    """The reward source the config names (`reward`, `reward_model`, `reward_fn`) behind one call,
+    and how RM scores were normalised."""
+    kind = reward_kind(cfg)
+    parts = reward_functions(cfg)
+    norm: dict = {}
+    if kind == "random":
         rm = models.build_random_reward_model(tokenizer, seed=cfg.seed).to(resolve_device(cfg.device))
-        return rewards.ModelReward(rm, tokenizer), {}
+        parts.insert(0, (rewards.ModelReward(rm, tokenizer), 1.0))
+    if kind in ("model", "combined"):
+        learned, norm = learned_reward(cfg, tokenizer, policy, calibration_rows)
+        parts.insert(0, (learned, cfg.reward_model_weight if kind == "combined" or parts else 1.0))
+    if kind in ("checker", "combined"):
+        parts.insert(0, (rewards.CheckerReward(), cfg.checker_weight if kind == "combined" or parts else 1.0))
+    if len(parts) == 1 and parts[0][1] == 1.0:
+        return parts[0][0], norm
+    return rewards.CombinedReward(parts), norm
+
+
+def learned_reward(cfg: PPOConfig, tokenizer, policy, calibration_rows) -> tuple[rewards.ModelReward, dict]:
+    """The reward model as a source, normalised on the starting policy's answers when asked."""
     rm_tokenizer = models.load_tokenizer(cfg.reward_model, trust_remote_code=cfg.trust_remote_code)
     rm = models.load_reward_model(cfg.reward_model, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code,
                                   tokenizer=rm_tokenizer).to(resolve_device(cfg.device))
     norm = {"shift": cfg.reward_shift, "scale": cfg.reward_scale, "calibration_answers": 0}
     learned = rewards.ModelReward(rm, rm_tokenizer, shift=norm["shift"], scale=norm["scale"])
-    if cfg.normalize_reward and policy is not None and calibration_items:
-        norm = calibrate_reward_model(learned, policy, tokenizer, calibration_items, cfg)
+    if cfg.normalize_reward and policy is not None and calibration_rows:
+        norm = calibrate_reward_model(learned, policy, tokenizer, calibration_rows, cfg)
         learned = rewards.ModelReward(rm, rm_tokenizer, shift=norm["shift"], scale=norm["scale"])
-    if cfg.reward == "model":
-        return learned, norm
-    return rewards.CombinedReward([(checker, cfg.checker_weight), (learned, cfg.reward_model_weight)]), norm
+    return learned, norm
+
+
+def build_verifier(cfg, prompts: PromptSplits) -> rewards.Verifier | None:
+    """`--verifier`: a user function, 'checker', or by default the checker on the suite and none on user prompts."""
+    spec = cfg.verifier.strip()
+    if spec == "checker" or (not spec and prompts.is_suite):
+        if not any(rewards.task_item(r) for r in prompts.validation[:1]):
+            raise UserInputError("the suite's checker needs 'family' and 'reference' columns in the prompts",
+                                 "--verifier checker", "pass your own --verifier FILE.py:NAME")
+        return rewards.CheckerVerifier()
+    if not spec or spec == "none":
+        return None
+    return rewards.FunctionVerifier(rewards.load_function(spec, "--verifier"))
+
+
+def held_out_metric(cfg) -> str:
+    """What validation, alarms, stopping and keep_best read: the verifier's pass rate, else the reward itself."""
+    spec = cfg.verifier.strip()
+    has_verifier = spec not in ("", "none") or (not spec and not cfg.train_file)
+    return "val/pass_rate" if has_verifier else "val/reward"

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from rlhflab import data, models, tasks
+from rlhflab import data, models, rewards, sources, tasks
 from rlhflab.checkpoint import Checkpointer, open_run
 from rlhflab.config import SFTConfig
 from rlhflab.errors import UserInputError
@@ -134,7 +134,8 @@ def validation_loss(model, examples: list[data.TokenizedSFT], pad_id: int, batch
 def evaluate_now(model, tokenizer, sft_data: SFTData, cfg, step: int, run: RunDir) -> dict:
     metrics = {"val/loss": validation_loss(model, sft_data.validation, tokenizer.pad_token_id)}
     if sft_data.validation_items:
-        table = validate_pass_rate(model, tokenizer, sft_data.validation_items, cfg, step, run)
+        rows = sources.suite_prompts(sft_data.validation_items, "validation")
+        table = validate_pass_rate(model, tokenizer, rows, rewards.CheckerVerifier(), cfg, step, run)
         metrics["val/pass_rate"] = table["overall"]
     run.log(metrics, step=step)
     return metrics
