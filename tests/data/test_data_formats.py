@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from rlhflab.data import PairExample, PromptExample, Record, SFTExample, TokenizedSFT, collate_sft, tokenize_sft, validate
+from rlhflab.data import (PairExample, PromptExample, Record, SFTExample, TokenizedSFT, collate_sft, tokenize_sft,
+                          validate)
 from rlhflab.data.formats import format_name, implicit_prompt_length
 
 SYS = {"role": "system", "content": "be brief"}

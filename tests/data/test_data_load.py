@@ -176,3 +176,13 @@ def test_path_like_names_and_splits_of_files(tmp_path, write_jsonl):
     with pytest.raises(UserInputError, match=f"a single file has no splits, but '{path}:test' names split 'test'"):
         read_records(f"{path}:test")
     assert [r.row for r in read_records(path, split="train")] == ROWS[:1]  # a default split is no error
+
+
+def test_datasets_fill_absent_columns_with_none_and_rows_keep_their_own_format(tmp_path, write_jsonl):
+    (tmp_path / "mixed").mkdir()
+    write_jsonl([{"text": "hello world"}, {"prompt": "say hi", "completion": "hi"}], name="mixed/train.jsonl")
+    records = read_records(tmp_path / "mixed", split="train")
+    assert [r.row for r in records] == [{"text": "hello world", "prompt": None, "completion": None},
+                                        {"text": None, "prompt": "say hi", "completion": "hi"}]
+    assert load_examples(tmp_path / "mixed", "sft", split="train") == [SFTExample("", "hello world"),
+                                                                        SFTExample("say hi", "hi")]

@@ -1,4 +1,4 @@
-"""TRL's dataset formats: which one a row is in, and the implicit prompt of a preference row.
+"""TRL's dataset formats: which one a row is in, what its cells must be, the implicit prompt.
 
 A row's format follows from the columns it has (TRL, docs/source/dataset_formats.md):
 
@@ -64,3 +64,38 @@ def implicit_prompt_length(chosen: Sequence, rejected: Sequence) -> int:
     if n > 0 and isinstance(chosen, str) and chosen[n - 1] == " ":
         n -= 1
     return max(n, 0)
+
+
+def check_text(name: str, value: Any) -> None:
+    """A standard cell: a non-blank string."""
+    if not isinstance(value, str):
+        raise BadRow("non-string content", f"'{name}' must be a string, got {type(value).__name__}")
+    if not value.strip():
+        raise BadRow("empty field", f"empty field '{name}'")
+
+
+def check_messages(name: str, value: Any) -> None:
+    """A conversational cell: a non-empty list of {"role": str, "content": str}, not all blank."""
+    if not isinstance(value, list):
+        raise BadRow("wrong type", f"'{name}' must be a list of messages, got {type(value).__name__}")
+    if not value:
+        raise BadRow("empty field", f"empty field '{name}' (no messages)")
+    for i, m in enumerate(value, start=1):
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise BadRow("malformed message", f"message {i} of '{name}' is not a "
+                         "{'role': ..., 'content': ...} object")
+        if not isinstance(m["role"], str) or not m["role"]:
+            raise BadRow("malformed message", f"message {i} of '{name}' has no role string")
+        if not isinstance(m["content"], str):
+            raise BadRow("non-string content", f"message {i} of '{name}' has "
+                         f"{type(m['content']).__name__} content, expected a string")
+    if not any(m["content"].strip() for m in value):
+        raise BadRow("empty field", f"empty field '{name}' (all messages are empty)")
+
+
+def optional_str(row: dict[str, Any], name: str) -> str | None:
+    """An optional string column (`family`, `violation`, `reference`)."""
+    value = row.get(name)
+    if value is not None and not isinstance(value, str):
+        raise BadRow("non-string content", f"'{name}' must be a string, got {type(value).__name__}")
+    return value

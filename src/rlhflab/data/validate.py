@@ -42,7 +42,8 @@ from dataclasses import replace
 from typing import Any
 
 from rlhflab.data.chat import render_completion, render_conversation, render_prompt
-from rlhflab.data.formats import FORMAT_COLUMNS, BadRow, format_name, implicit_prompt_length, present_columns
+from rlhflab.data.formats import (FORMAT_COLUMNS, BadRow, check_messages, check_text, format_name,
+                                  implicit_prompt_length, optional_str, present_columns)
 from rlhflab.data.records import Example, PairExample, PromptExample, Record, RowProblem, SFTExample
 from rlhflab.data.tokenize import encode_prompts
 from rlhflab.errors import UserInputError
@@ -118,12 +119,12 @@ def _sft_prompt_completion(row: dict[str, Any], tokenizer) -> SFTExample:
 
 
 def _sft_messages(row: dict[str, Any], tokenizer) -> SFTExample:
-    _check_messages("messages", row["messages"])
+    check_messages("messages", row["messages"])
     return SFTExample("", render_conversation(row["messages"], tokenizer), *_tags(row))
 
 
 def _sft_text(row: dict[str, Any], tokenizer) -> SFTExample:
-    _check_text("text", row["text"])
+    check_text("text", row["text"])
     return SFTExample("", row["text"], *_tags(row))
 
 
@@ -160,7 +161,7 @@ def _prompt_from_prompt(row: dict[str, Any], tokenizer) -> PromptExample:
 
 def _prompt_from_messages(row: dict[str, Any], tokenizer) -> PromptExample:
     messages = row["messages"]
-    _check_messages("messages", messages)
+    check_messages("messages", messages)
     if messages[-1]["role"] != "assistant":
         return _prompt_example(render_prompt(messages, tokenizer), row)
     if len(messages) == 1:
@@ -174,7 +175,7 @@ def _prompt_implicit(row: dict[str, Any], tokenizer) -> PromptExample:
 
 
 def _prompt_example(prompt: str, row: dict[str, Any], reference: str | None = None) -> PromptExample:
-    family, column_reference = _optional_str(row, "family"), _optional_str(row, "reference")
+    family, column_reference = optional_str(row, "family"), optional_str(row, "reference")
     columns = {k: v for k, v in row.items() if k not in PROMPT_SOURCES}
     return PromptExample(prompt, family, column_reference if column_reference is not None else reference, columns)
 
@@ -205,14 +206,14 @@ def _prompt_and_answers(row: dict[str, Any], answers: tuple[str, ...], tokenizer
             if isinstance(row[f], list):
                 raise BadRow("mixed formats", f"'{f}' is a message list but 'prompt' is a string; "
                              "use strings for all fields or message lists for all")
-            _check_text(f, row[f])
+            check_text(f, row[f])
         return prompt, [row[f] for f in answers]
     if isinstance(prompt, list):
         for f in fields:
             if isinstance(row[f], str):
                 raise BadRow("mixed formats", f"'{f}' is a string but 'prompt' is a message list; "
                              "use strings for all fields or message lists for all")
-            _check_messages(f, row[f])
+            check_messages(f, row[f])
         texts = [render_completion(prompt, row[f], tokenizer) for f in answers]
         for f, text in zip(answers, texts):
             if not text.strip():
@@ -232,15 +233,15 @@ def _split_implicit(row: dict[str, Any], tokenizer, allow_empty_prompt: bool) ->
     """(prompt, chosen, rejected) texts of a preference row whose prompt is their shared beginning."""
     chosen, rejected = row["chosen"], row["rejected"]
     if isinstance(chosen, str) and isinstance(rejected, str):
-        _check_text("chosen", chosen)
-        _check_text("rejected", rejected)
+        check_text("chosen", chosen)
+        check_text("rejected", rejected)
         n = implicit_prompt_length(chosen, rejected)
         if n == 0 and not allow_empty_prompt:
             raise BadRow("no shared prompt", "'chosen' and 'rejected' share no beginning, so the row has no prompt")
         parts = chosen[:n], chosen[n:], rejected[n:]
     elif isinstance(chosen, list) and isinstance(rejected, list):
-        _check_messages("chosen", chosen)
-        _check_messages("rejected", rejected)
+        check_messages("chosen", chosen)
+        check_messages("rejected", rejected)
         n = implicit_prompt_length(chosen, rejected)
         if n == 0:
             raise BadRow("no shared prompt", "'chosen' and 'rejected' share no leading message, so the row has "
@@ -262,39 +263,7 @@ def _split_implicit(row: dict[str, Any], tokenizer, allow_empty_prompt: bool) ->
 
 
 def _tags(row: dict[str, Any]) -> tuple[str | None, str | None]:
-    return _optional_str(row, "family"), _optional_str(row, "violation")
-
-
-def _check_text(name: str, value: Any) -> None:
-    if not isinstance(value, str):
-        raise BadRow("non-string content", f"'{name}' must be a string, got {type(value).__name__}")
-    if not value.strip():
-        raise BadRow("empty field", f"empty field '{name}'")
-
-
-def _check_messages(name: str, value: Any) -> None:
-    if not isinstance(value, list):
-        raise BadRow("wrong type", f"'{name}' must be a list of messages, got {type(value).__name__}")
-    if not value:
-        raise BadRow("empty field", f"empty field '{name}' (no messages)")
-    for i, m in enumerate(value, start=1):
-        if not isinstance(m, dict) or "role" not in m or "content" not in m:
-            raise BadRow("malformed message", f"message {i} of '{name}' is not a "
-                         "{'role': ..., 'content': ...} object")
-        if not isinstance(m["role"], str) or not m["role"]:
-            raise BadRow("malformed message", f"message {i} of '{name}' has no role string")
-        if not isinstance(m["content"], str):
-            raise BadRow("non-string content", f"message {i} of '{name}' has "
-                         f"{type(m['content']).__name__} content, expected a string")
-    if not any(m["content"].strip() for m in value):
-        raise BadRow("empty field", f"empty field '{name}' (all messages are empty)")
-
-
-def _optional_str(row: dict[str, Any], name: str) -> str | None:
-    value = row.get(name)
-    if value is not None and not isinstance(value, str):
-        raise BadRow("non-string content", f"'{name}' must be a string, got {type(value).__name__}")
-    return value
+    return optional_str(row, "family"), optional_str(row, "violation")
 
 
 def _no_fitting_format(row: dict[str, Any], kind: str) -> BadRow:
