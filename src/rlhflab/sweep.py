@@ -43,7 +43,7 @@ NOT_VARIED = ("output_dir", "overwrite", "resume")  # where a run goes or starts
 # stage -> (label of its held-out number, how to read it from summary.json)
 HELD_OUT = {
     # the saved policy's (after keep_best), by the verifier; the reward's own mean when there is none
-    "ppo": ("saved policy's val pass rate (or val reward without a verifier)",
+    "ppo": ("saved val pass rate",
             lambda s: (s.get("validation_pass_rate") or s.get("validation_reward") or {}).get("end")),
     "sft": ("final val pass rate", lambda s: (s.get("validation") or {}).get("val/pass_rate")),
     "rm": ("val pair accuracy", lambda s: ((s.get("pairs") or {}).get("validation") or {}).get("accuracy")),

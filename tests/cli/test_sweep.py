@@ -55,7 +55,7 @@ def test_sweep_writes_a_comparison_page_and_prints_the_table(swept):
     assert "cliprange=0.1" in page and "cliprange=0.3" in page and "config-diff" in page
     lines = stdout.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("cliprange"))
-    assert all(h in lines[header] for h in ("final val pass rate", "final KL", "alarms fired", "wall time (s)"))
+    assert all(h in lines[header] for h in ("saved val pass rate", "final KL", "alarms fired", "wall time (s)"))
     rows = lines[header + 2: header + 4]
     assert [r.split()[0] for r in rows] == ["0.1", "0.3"]
     table = json.loads((out / "sweep.json").read_text())
