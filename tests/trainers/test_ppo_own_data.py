@@ -242,3 +242,28 @@ def test_token_sampling_and_prompt_order_have_different_seeds(policy_dir, tmp_pa
     order = torch.randperm(50, generator=torch.Generator().manual_seed(3))
     tokens = torch.randperm(50, generator=torch.Generator().manual_seed(ppo.sampling_seed(3)))
     assert not torch.equal(order, tokens)
+
+
+def test_user_files_never_reach_the_built_in_suite(policy_dir, user_files, monkeypatch):
+    """SFT (tiny default model) and PPO on user files only: any call into the suite's prompt or
+    corpus builders fails the test."""
+    from rlhflab import tasks
+    from rlhflab.config import SFTConfig
+    from rlhflab.trainers import sft
+
+    def suite(*args, **kwargs):
+        raise AssertionError("the built-in suite was used on a user-data path")
+
+    for name in ("build_splits", "sample_items", "template_corpus", "sft_rows", "pair_rows"):
+        monkeypatch.setattr(tasks, name, suite)
+    demos = [{"prompt": f"Write the number {n} twice.", "completion": f"{n} {n}"} for n in range(40)]
+    (user_files / "sft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in demos))
+    sft_run = sft.train(SFTConfig(train_file="sft.jsonl", max_steps=3, batch_size=8, eval_every=0, hidden_size=32,
+                                  num_layers=1, intermediate_size=64, threads=1, progress=False,
+                                  output_dir="sft-run"))
+    rows = metric_rows(sft_run.run_dir)
+    assert any("val/loss" in r for r in rows) and not any("val/pass_rate" in r for r in rows)
+    cfg = tiny_cfg(str(sft_run.model_dir), train_file="prompts.jsonl", validation_file="val.jsonl",
+                   reward_fn="my_rewards.py:digits", verifier="my_rewards.py:has_digit", output_dir="ppo-run")
+    result = ppo.train(cfg)
+    assert result.summary["prompts"] == "prompts.jsonl" and result.summary["updates"] == 2

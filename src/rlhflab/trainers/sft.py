@@ -55,31 +55,47 @@ def suite_examples(rows: list[dict]) -> list[data.SFTExample]:
 
 
 def load_sft_data(cfg: SFTConfig, tokenizer) -> SFTData:
-    """User files when given, else the built-in suite (train demos + validation split)."""
-    splits = tasks.build_splits(cfg.split_seed, cfg.num_train_prompts, cfg.num_validation_prompts, cfg.num_test_prompts)
+    """User files when given (a train file alone gives up a seeded slice for the validation loss),
+    else the built-in suite (train demos + validation split, whose checker gives a pass rate)."""
+    load = lambda path, split: data.load_examples(  # noqa: E731
+        path, "sft", tokenizer=tokenizer, max_prompt_tokens=cfg.max_prompt_tokens, strict=cfg.strict,
+        split=split, config=cfg.dataset_config)
+    validation_items: list[tasks.TaskItem] = []
     if cfg.train_file:
-        train = data.load_examples(
-            cfg.train_file, "sft", tokenizer=tokenizer, max_prompt_tokens=cfg.max_prompt_tokens, strict=cfg.strict,
-            split=cfg.dataset_split, config=cfg.dataset_config,
-        )
+        train = load(cfg.train_file, cfg.dataset_split)
+        if cfg.validation_file:
+            validation = load(cfg.validation_file, None)  # its split: NAME:SPLIT, else its only one
+        else:
+            train, validation = held_out_examples(train, cfg.seed)
     else:
         items = tasks.sample_items("train", cfg.sft_examples, seed=cfg.seed, split_seed=cfg.split_seed)
         rows = tasks.sft_rows(items, cfg.violation_fraction, cfg.dominant_share, seed=cfg.seed)
         train = suite_examples(rows)
-    if cfg.validation_file:
-        validation = data.load_examples(
-            cfg.validation_file, "sft", tokenizer=tokenizer, max_prompt_tokens=cfg.max_prompt_tokens, strict=cfg.strict,
-            config=cfg.dataset_config,  # its split: NAME:SPLIT, else its only one
-        )
-        validation_items: list[tasks.TaskItem] = []
-    else:
-        validation_items = splits["validation"]
-        validation = [data.SFTExample(i.prompt, i.reference, i.family, "none") for i in validation_items]
+        splits = tasks.build_splits(cfg.split_seed, cfg.num_train_prompts, cfg.num_validation_prompts,
+                                    cfg.num_test_prompts)
+        if cfg.validation_file:
+            validation = load(cfg.validation_file, None)
+        else:
+            validation_items = splits["validation"]
+            validation = [data.SFTExample(i.prompt, i.reference, i.family, "none") for i in validation_items]
     return SFTData(
         train=data.tokenize_sft(train, tokenizer, cfg.max_length),
         validation=data.tokenize_sft(validation, tokenizer, cfg.max_length),
         validation_items=validation_items[: cfg.eval_prompts],
     )
+
+
+def held_out_examples(examples: list, seed: int, share: float = 0.05) -> tuple[list, list]:
+    """A seeded `share` of a user's train file (at least 1 row, none when it has < 20) set apart for the
+    validation loss: the built-in suite's validation split says nothing about their data."""
+    if len(examples) < 20:
+        log.warning("no --validation_file and only %d rows: no validation loss", len(examples))
+        return examples, []
+    order = list(range(len(examples)))
+    random.Random(seed).shuffle(order)
+    held = set(order[: max(1, int(len(examples) * share))])
+    log.info("no --validation_file: %d of %d rows set apart for the validation loss", len(held), len(examples))
+    return [e for i, e in enumerate(examples) if i not in held], [examples[i] for i in sorted(held)]
 
 
 def completion_loss_sum(model: torch.nn.Module, batch: data.SFTBatch) -> torch.Tensor:
@@ -132,12 +148,14 @@ def validation_loss(model, examples: list[data.TokenizedSFT], pad_id: int, batch
 
 
 def evaluate_now(model, tokenizer, sft_data: SFTData, cfg, step: int, run: RunDir) -> dict:
-    metrics = {"val/loss": validation_loss(model, sft_data.validation, tokenizer.pad_token_id)}
+    metrics = {"val/loss": validation_loss(model, sft_data.validation, tokenizer.pad_token_id)} \
+        if sft_data.validation else {}
     if sft_data.validation_items:
         rows = sources.suite_prompts(sft_data.validation_items, "validation")
         table = validate_pass_rate(model, tokenizer, rows, rewards.CheckerVerifier(), cfg, step, run)
         metrics["val/pass_rate"] = table["overall"]
-    run.log(metrics, step=step)
+    if metrics:
+        run.log(metrics, step=step)
     return metrics
 
 
