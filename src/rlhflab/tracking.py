@@ -204,19 +204,24 @@ class _WandbSink:
 
 
 class _TrackioSink:
-    """trackio (Hugging Face's local-first, W&B-compatible tracker): one run per run folder."""
+    """trackio (Hugging Face's local-first, W&B-compatible tracker): one run per run folder.
+
+    It writes a SQLite database under `TRACKIO_DIR` (default `$HF_HOME/trackio`), read once when
+    trackio is first imported; `trackio show` opens the dashboard. The sink holds its own `Run`:
+    `trackio.log` / `trackio.finish` act on the most recently started run of the current context,
+    which is another run folder's when two are open at once.
+    """
 
     def __init__(self, path: Path):
         import trackio  # needs the `trackio` extra
 
-        self.trackio = trackio
-        trackio.init(project=os.environ.get("TRACKIO_PROJECT", "rlhflab"), name=path.name)
+        self.run = trackio.init(project=os.environ.get("TRACKIO_PROJECT", "rlhflab"), name=path.name)
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
-        self.trackio.log(_scalars(metrics), step=step)
+        self.run.log(_scalars(metrics), step=step)
 
     def close(self) -> None:
-        self.trackio.finish()
+        self.run.finish()
 
 
 SINKS = {"tensorboard": _TensorBoardSink, "wandb": _WandbSink, "trackio": _TrackioSink}

@@ -10,7 +10,7 @@ import torch
 from transformers import BertConfig, BertForSequenceClassification
 
 from rlhflab.errors import UserInputError
-from rlhflab.models import build_random_reward_model, build_reward_model_from_causal, build_tiny_model
+from rlhflab.models import build_random_reward_model, build_reward_model, build_tiny_model
 from rlhflab.models import build_tokenizer, last_real_index, load_reward_model, save_model_folder, sequence_scores
 from rlhflab.tasks import template_corpus
 
@@ -98,10 +98,10 @@ def test_sequence_scores_encoder_fallback_uses_first_token():
     assert left.tolist() == pytest.approx(expected, abs=1e-5)
 
 
-def test_build_reward_model_from_causal(suite_tokenizer):
+def test_build_reward_model_from_a_causal_lm_object(suite_tokenizer):
     causal = build_tiny_model(suite_tokenizer, **TINY)
     torch.manual_seed(0)
-    model = build_reward_model_from_causal(causal, suite_tokenizer)
+    model = build_reward_model(causal, suite_tokenizer)
     assert type(model).__name__ == "LlamaForSequenceClassification" and model.config.num_labels == 1
     assert model.score.weight.shape == (1, 32)
     assert abs(model.score.weight.std().item() - 1 / math.sqrt(33)) < 0.07
@@ -146,6 +146,6 @@ def test_load_reward_model_refuses_causal_lm_and_missing_path(tmp_path, suite_to
     save_model_folder(tmp_path / "sft", build_tiny_model(suite_tokenizer, **TINY), suite_tokenizer)
     with pytest.raises(UserInputError, match="not a reward model.*LlamaForCausalLM") as info:
         load_reward_model(tmp_path / "sft")
-    assert "build_reward_model_from_causal" in str(info.value)
+    assert "build_reward_model" in str(info.value)
     with pytest.raises(UserInputError, match="no reward model folder"):
         load_reward_model(tmp_path / "missing")

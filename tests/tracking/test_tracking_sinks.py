@@ -45,9 +45,19 @@ def fake_wandb(rec: Recorder) -> types.ModuleType:
 
 def fake_trackio(rec: Recorder) -> types.ModuleType:
     module = types.ModuleType("trackio")
-    module.init = lambda **kwargs: rec.init_kwargs.update(kwargs)
-    module.log = lambda metrics, step: rec.logged.append((dict(metrics), step))
-    module.finish = lambda: setattr(rec, "finished", True)
+
+    class Run:  # trackio.init returns the run; the sink logs to it, not to trackio's "current run"
+        def log(self, metrics, step):
+            rec.logged.append((dict(metrics), step))
+
+        def finish(self):
+            rec.finished = True
+
+    def init(**kwargs):
+        rec.init_kwargs = kwargs
+        return Run()
+
+    module.init = init
     return module
 
 
@@ -154,20 +164,6 @@ def test_unknown_backend_suggests_the_closest():
     with pytest.raises(UserInputError, match="did you mean 'tensorboard'"):
         sink_names("none,tensorbord")
     assert sink_names("none") == [] and sink_names("") == []
-
-
-def test_real_tensorboard_event_file_holds_the_scalars(tmp_path):
-    pytest.importorskip("tensorboard")
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    run = RunDir(tmp_path / "run", report_to="tensorboard")
-    for metrics, step in ROWS:
-        run.log(metrics, step=step)
-    run.close()
-    events = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
-    events.Reload()
-    assert [(e.step, e.value) for e in events.Scalars("loss/sft")] == [(1, 2.5), (2, 1.25)]
-    assert [e.value for e in events.Scalars("tokens")] == [7.0]
 
 
 def test_json_files_stay_strict_json_when_a_value_is_not_finite(tmp_path):

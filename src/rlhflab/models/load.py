@@ -137,13 +137,21 @@ def load_tokenizer(path_or_id: str | Path, *, trust_remote_code: bool = False) -
     return tokenizer
 
 
+def is_encoder(config) -> bool:
+    """A BERT-like encoder: a masked-LM model type not configured as a decoder.
+
+    Encoders such as BERT are also listed for causal LM (BertLMHeadModel), but act as one
+    only with is_decoder=True; otherwise every token reads the whole sequence both ways.
+    """
+    return getattr(config, "model_type", None) in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not getattr(
+        config, "is_decoder", False)
+
+
 def _check_causal(config, s: str, trust_remote_code: bool) -> None:
     """Raise unless `config` describes a decoder-only causal LM."""
     model_type = getattr(config, "model_type", None)
     remote = trust_remote_code and "AutoModelForCausalLM" in (getattr(config, "auto_map", None) or {})
-    # encoders such as BERT are also listed for causal LM (BertLMHeadModel), but act
-    # as one only with is_decoder=True; otherwise they would load with a random head
-    encoder = model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not getattr(config, "is_decoder", False)
+    encoder = is_encoder(config)  # loaded as a causal LM it would get a random head
     if remote or (model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not encoder):
         return
     kind = "an encoder (masked LM)" if encoder else "not a causal LM"

@@ -1,10 +1,16 @@
 """Reward models: ordinary `*ForSequenceClassification` models with exactly one output.
 
-`sequence_scores` reads the score at the last REAL token (last position where the
-attention mask is 1), whatever the padding side. HF's own pooling looks for the
-last token that is not `pad_token_id`, which picks the wrong position when
-pad == eos (the real EOS looks like padding) and when the batch is left-padded
-with a pad id that also occurs in the text.
+Two kinds, each read the way its own architecture reads a sequence:
+- decoder classifiers (Llama, Qwen2, GPT-2 ...: a `score` layer on a causal trunk):
+  `sequence_scores` reads the score at the last REAL token (last position where the
+  attention mask is 1), whatever the padding side. HF's own pooling looks for the
+  last token that is not `pad_token_id`, which picks the wrong position when
+  pad == eos (the real EOS looks like padding) and when the batch is left-padded
+  with a pad id that also occurs in the text. Their text ends with EOS.
+- encoder classifiers (BERT, MiniLM, RoBERTa ...): HF's own head, which pools the
+  first token ([CLS]), on a right-padded batch. Their text is framed by the
+  tokenizer's own special tokens (`special_tokens_frame`: [CLS] ... [SEP]), as
+  `tokenizer(text)` frames one text; they have no EOS.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from transformers import AutoModelForSequenceClassification, PreTrainedModel, Pr
 from rlhflab.errors import UserInputError
 from rlhflab.models.lean import lean_hidden, plan_lean
 from rlhflab.models.packing import PackedPairs
-from rlhflab.models.load import DTYPES, _check_exists, _not_found, read_model_config, load_tokenizer
+from rlhflab.models.load import DTYPES, _check_exists, _not_found, is_encoder, read_model_config, load_tokenizer
 from rlhflab.models.tiny_model import build_tiny_model
 from rlhflab.models.value import _is_reward_model, init_scalar_head
 
@@ -55,7 +61,7 @@ def load_reward_model(
             f"not a reward model: architectures {getattr(config, 'architectures', None)} has no "
             "*ForSequenceClassification",
             where=s,
-            fix="train one with `rlhflab rm`, or build one from a causal LM with build_reward_model_from_causal",
+            fix="train one with `rlhflab rm`, or build one from a causal LM or an encoder with build_reward_model",
         )
     if config.num_labels != 1:
         raise UserInputError(
@@ -80,15 +86,17 @@ def load_reward_model(
     return model
 
 
-def build_reward_model_from_causal(
+def build_reward_model(
     path_or_model: str | Path | PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
     dtype: str = "float32",
     trust_remote_code: bool = False,
 ) -> PreTrainedModel:
-    """A num_labels=1 `*ForSequenceClassification` whose trunk is a causal LM's (e.g. the SFT model).
+    """A num_labels=1 `*ForSequenceClassification` on a pretrained trunk: a causal LM's (e.g. the SFT
+    model) or an encoder's (e.g. BERT / MiniLM, whose pretrained pooler is kept).
 
-    A given model object is copied, never shared. The score head is normal(0, 1/sqrt(H+1)), zero bias.
+    A given model object is copied, never shared. The output layer (`score`, BERT's `classifier`)
+    is fresh: normal(0, 1/sqrt(H+1)), zero bias.
     """
     if isinstance(path_or_model, nn.Module):
         config = copy.deepcopy(path_or_model.config)
@@ -109,9 +117,25 @@ def build_reward_model_from_causal(
             raise _not_found(s, "causal LM for the reward model", err) from err
         finally:
             hf_logging.set_verbosity(verbosity)
-    init_scalar_head(model.score)
+    init_scalar_head(_output_layer(model))
     _set_pad(model, _pad_id_from(tokenizer))
     return model
+
+
+build_reward_model_from_causal = build_reward_model  # its name from before encoders were accepted
+
+
+def _output_layer(model: PreTrainedModel) -> nn.Linear:
+    """The layer that writes the one score: `score` (decoder classifiers), else the last one-output
+    Linear outside the trunk (BERT's `classifier`, RoBERTa's `classifier.out_proj`)."""
+    score = getattr(model, "score", None)
+    if isinstance(score, nn.Linear):
+        return score
+    trunk = {id(m) for m in model.base_model.modules()}
+    heads = [m for m in model.modules() if isinstance(m, nn.Linear) and m.out_features == 1 and id(m) not in trunk]
+    if not heads:
+        raise ValueError(f"{type(model).__name__} has no one-output Linear layer to use as the score head")
+    return heads[-1]
 
 
 def build_random_reward_model(
@@ -151,21 +175,48 @@ def _unwrap(model: nn.Module) -> nn.Module:
     return get_base() if callable(get_base) else model
 
 
+def is_encoder_reward_model(reward_model: nn.Module) -> bool:
+    """Whether the reward model is an encoder classifier (BERT-like): it reads its score at the first
+    token and its text is framed by `special_tokens_frame`, not ended with EOS."""
+    return is_encoder(getattr(_unwrap(reward_model), "config", None))
+
+
+def _reads_last_token(model: nn.Module) -> bool:
+    """A decoder classifier: a `score` layer on a base model, scored at the last real token."""
+    return (isinstance(getattr(model, "score", None), nn.Module) and model.base_model is not model
+            and not is_encoder(model.config))
+
+
+def special_tokens_frame(tokenizer: PreTrainedTokenizerBase) -> tuple[list[int], list[int]]:
+    """The ids `tokenizer` puts before and after one text with `add_special_tokens=True`:
+    ([CLS], [SEP]) for BERT, ([<s>], [</s>]) for RoBERTa, ([BOS], []) for Llama.
+
+    Read off a probe text rather than from `build_inputs_with_special_tokens`, which not every
+    tokenizer class of transformers 5 has."""
+    bare = tokenizer("a", add_special_tokens=False)["input_ids"]
+    full = tokenizer("a", add_special_tokens=True)["input_ids"]
+    for start in range(len(full) - len(bare) + 1):
+        if full[start : start + len(bare)] == bare:
+            return list(full[:start]), list(full[start + len(bare) :])
+    raise ValueError(f"{type(tokenizer).__name__}: a text with special tokens does not contain the text without")
+
+
 def sequence_scores(reward_model: nn.Module, input_ids: Tensor, attention_mask: Tensor, lean: bool = False) -> Tensor:
-    """(B, L) ids and mask -> (B,) scores read at each row's last real token, any padding side.
+    """(B, L) ids and mask -> (B,) scores, any padding side.
 
     Decoder classifiers (a `score` layer on a base model): the trunk runs with explicit
     position_ids = cumsum(mask) - 1 (clamped at 0), so a left-padded row is positioned
     as if unpadded, and `score` is applied at the gathered last real position. Other
-    models (BERT-like encoders pooling at position 0) get a right-padded batch and
-    `logits[:, 0]`. `lean` (no grad, eval mode, Llama layout): the trunk runs as
-    `models.lean.lean_hidden`, the same math with less overhead (PPO's reward scoring).
+    models (BERT-like encoders pooling their first token, [CLS]) get a right-padded batch
+    and `logits[:, 0]` from their own head; token_type_ids are left to the model's default
+    (zeros), which is what the tokenizer gives one text. `lean` (no grad, eval mode, Llama
+    layout): the trunk runs as `models.lean.lean_hidden`, the same math with less overhead
+    (PPO's reward scoring).
     """
     model = _unwrap(reward_model)
     mask = attention_mask.long()
-    score = getattr(model, "score", None)
-    trunk = model.base_model
-    if isinstance(score, nn.Module) and trunk is not model:
+    if _reads_last_token(model):
+        score, trunk = model.score, model.base_model
         position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
         plan = plan_lean(model) if lean and not torch.is_grad_enabled() else None
         if plan is not None:
@@ -184,8 +235,8 @@ def sequence_scores(reward_model: nn.Module, input_ids: Tensor, attention_mask: 
 def can_pack_pairs(reward_model: nn.Module) -> bool:
     """Whether `packed_pair_scores` can score this model: a decoder classifier (`score` on a base
     model) whose trunk the lean forward runs (Llama layout; in training mode, no dropout)."""
-    model = _unwrap(reward_model)
-    return isinstance(getattr(model, "score", None), nn.Module) and plan_lean(model, allow_training=True) is not None
+    model = _unwrap(reward_model)  # an encoder reads both ways: packing two rests in one row would mix them
+    return _reads_last_token(model) and plan_lean(model, allow_training=True) is not None
 
 
 def packed_pair_scores(reward_model: nn.Module, packed: PackedPairs) -> tuple[Tensor, Tensor]:

@@ -3,7 +3,9 @@
 The reward model keeps its own tokenizer, which may differ from the policy's: the
 policy's tokens are decoded to text upstream and re-tokenised here exactly as the
 reward-model data were (prompt like `encode_prompts`, response with
-`add_special_tokens=False`, then EOS when the RM was trained with it).
+`add_special_tokens=False`, then EOS when the RM was trained with it). An encoder
+reward model (BERT-like, no EOS) gets the same ids framed by its tokenizer's own
+special tokens instead: `encoder_rows`, which `rlhflab rm` trains on too.
 """
 
 from __future__ import annotations
@@ -15,25 +17,53 @@ import torch
 from torch import nn
 
 from rlhflab.data import encode_prompts
+from rlhflab.data.tokenize import truncate_sft
 from rlhflab.errors import UserInputError
 from rlhflab.data.prompt_rows import PromptRow
-from rlhflab.models import build_random_reward_model, sequence_scores
+from rlhflab.models import build_random_reward_model, is_encoder_reward_model, sequence_scores, special_tokens_frame
 from rlhflab.rewards.base import Scored, check_lengths, scored
 
 logger = logging.getLogger(__name__)
 
 
+def encoder_rows(tokenizer, prompts: list[str], responses: list[str], max_length: int) -> list[list[int]]:
+    """[CLS] prompt response [SEP] for an encoder reward model (`models.special_tokens_frame`), in at most
+    `max_length` tokens: the prompt loses tokens from the left first, then the response from the right
+    (`data.truncate_sft`); the frame always stays. `rlhflab rm` and `ModelReward` both encode with this,
+    so an encoder is scored on exactly the ids it was trained on."""
+    before, after = special_tokens_frame(tokenizer)
+    budget = max_length - len(before) - len(after)
+    if budget < 1:
+        raise UserInputError(f"max_length={max_length} leaves no room for text inside the tokenizer's "
+                             f"{len(before) + len(after)} special tokens", "max_length", "raise max_length")
+    prompt_ids = encode_prompts(tokenizer, prompts)
+    response_ids = tokenizer(responses, add_special_tokens=False)["input_ids"] if responses else []
+    rows, cut = [], 0
+    for prompt, response in zip(prompt_ids, response_ids):
+        kept_prompt, kept_response = truncate_sft(prompt, list(response), budget)
+        cut += len(kept_prompt) + len(kept_response) < len(prompt) + len(response)
+        rows.append([*before, *kept_prompt, *kept_response, *after])
+    if cut:
+        logger.warning("%d of %d prompt + response texts longer than max_length=%d were cut (prompt from the "
+                       "left first, then the response from the right)", cut, len(rows), max_length)
+    return rows
+
+
 class ModelReward:
     """`(sequence_scores(rm, prompt + response [+ EOS]) - shift) / scale`, in batches of `batch_size`.
 
-    `max_length` (optional) keeps the LAST tokens of a longer row, where the score is read.
+    Decoder reward models: `max_length` (optional) keeps the LAST tokens of a longer row, where the
+    score is read. Encoder reward models (`models.is_encoder_reward_model`): rows are `encoder_rows`,
+    cut to `max_length` or else the model's position limit; `append_eos` does not apply (the frame's
+    closing token, BERT's [SEP], ends the text as it did in training).
     """
 
     def __init__(self, reward_model: nn.Module, tokenizer, batch_size: int = 64, shift: float = 0.0,
                  scale: float = 1.0, append_eos: bool = True, max_length: int | None = None):
         if scale == 0:
             raise UserInputError("reward scale must not be 0", where="reward_scale", fix="use e.g. 1.0")
-        if append_eos and tokenizer.eos_token_id is None:
+        self.encoder = is_encoder_reward_model(reward_model)
+        if append_eos and not self.encoder and tokenizer.eos_token_id is None:
             raise UserInputError("append_eos=True but the reward model's tokenizer has no eos token",
                                  fix="set append_eos=False or give the tokenizer an eos_token")
         self.reward_model = reward_model.eval()
@@ -45,6 +75,10 @@ class ModelReward:
 
     def encode(self, prompts: list[str], responses: list[str]) -> list[list[int]]:
         """Token ids of each prompt + response (+ EOS), with the reward model's tokenizer."""
+        if self.encoder:
+            limit = self.max_length or getattr(self.reward_model.config, "max_position_embeddings", None)
+            limit = limit or self.tokenizer.model_max_length
+            return encoder_rows(self.tokenizer, prompts, responses, limit)
         prompt_ids = encode_prompts(self.tokenizer, prompts)
         response_ids = self.tokenizer(responses, add_special_tokens=False)["input_ids"] if responses else []
         eos = [self.tokenizer.eos_token_id] if self.append_eos else []

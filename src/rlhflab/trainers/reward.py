@@ -5,7 +5,9 @@
 loss = -log sigmoid(r_chosen - r_rejected - margin) [+ coef * (r_chosen + r_rejected)^2]
 (Bradley & Terry 1952; Ouyang et al. 2022 §3.5; reward centring: Eisenstein et al. 2023).
 One epoch by default: it overfits fast (MISSION.md §2). The score is read at the last
-real token (`models.sequence_scores`), whatever the padding side.
+real token (`models.sequence_scores`), whatever the padding side; an encoder backbone
+(BERT, MiniLM) reads it at [CLS], as its own head does, and its text is framed as
+`rewards.encoder_rows` frames it when the reward model scores PPO's answers.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 from tqdm.auto import tqdm
 
 from rlhflab import data, models, tasks
+from rlhflab.rewards.model import encoder_rows
 from rlhflab.checkpoint import Checkpointer, open_run
 from rlhflab.config import RMConfig
 from rlhflab.core import bradley_terry_loss, reward_centering_penalty
@@ -45,13 +48,19 @@ HARD_NEGATIVE_TOKENS = 32  # response cap when sampling the policy's answers
 
 @dataclass(frozen=True)
 class TokenizedPair:
-    chosen: list[int]  # prompt + chosen + EOS
-    rejected: list[int]  # prompt + rejected + EOS
+    chosen: list[int]  # prompt + chosen + EOS; [CLS] prompt chosen [SEP] for an encoder
+    rejected: list[int]  # prompt + rejected + EOS; [CLS] prompt rejected [SEP] for an encoder
     family: str | None
     violation: str | None
 
 
-def tokenize_pairs(pairs: list[data.PairExample], tokenizer, max_length: int) -> list[TokenizedPair]:
+def tokenize_pairs(pairs: list[data.PairExample], tokenizer, max_length: int,
+                   encoder: bool = False) -> list[TokenizedPair]:
+    if encoder:  # the reward model's own framing, shared with rewards.ModelReward
+        prompts = [p.prompt for p in pairs]
+        chosen = encoder_rows(tokenizer, prompts, [p.chosen for p in pairs], max_length)
+        rejected = encoder_rows(tokenizer, prompts, [p.rejected for p in pairs], max_length)
+        return [TokenizedPair(c, r, p.family, p.violation) for p, c, r in zip(pairs, chosen, rejected)]
     as_sft = [data.SFTExample(p.prompt, text, p.family, p.violation) for p in pairs for text in (p.chosen, p.rejected)]
     seqs = data.tokenize_sft(as_sft, tokenizer, max_length)
     return [TokenizedPair(c.prompt_ids + c.completion_ids, r.prompt_ids + r.completion_ids, p.family, p.violation)
@@ -116,7 +125,7 @@ def hard_negative_pairs(cfg: RMConfig, tokenizer, items: list[tasks.TaskItem]) -
     return pairs
 
 
-def load_pairs(cfg: RMConfig, tokenizer) -> dict[str, list[TokenizedPair]]:
+def load_pairs(cfg: RMConfig, tokenizer, encoder: bool = False) -> dict[str, list[TokenizedPair]]:
     if cfg.hard_negatives and cfg.train_file:
         raise UserInputError("hard negatives need the built-in suite's checker", "--hard_negatives",
                              "drop --hard_negatives, or add the policy's failing answers to your pairs file")
@@ -262,7 +271,8 @@ def train(cfg: RMConfig, run: RunDir | None = None) -> RunResult:
     """Train a reward model as configured; returns the run folder and the HF reward-model folder."""
     started = time.time()
     if not cfg.model:
-        raise UserInputError("no backbone given", "--model", "pass the SFT model folder (or any HF causal LM)")
+        raise UserInputError("no backbone given", "--model",
+                             "pass the SFT model folder (or any HF causal LM, or an encoder such as BERT)")
     if cfg.num_epochs < 1 or cfg.batch_size < 1 or cfg.length_chunks < 1:
         raise UserInputError(f"num_epochs, batch_size and length_chunks must be >= 1 (got {cfg.num_epochs}, "
                              f"{cfg.batch_size}, {cfg.length_chunks})", "rm config")
@@ -273,8 +283,7 @@ def train(cfg: RMConfig, run: RunDir | None = None) -> RunResult:
     seed_everything(cfg.seed, cfg.deterministic)
     # 1. backbone -> scalar reward model (score head: small normal, zero bias)
     tokenizer = models.load_tokenizer(cfg.tokenizer or cfg.model, trust_remote_code=cfg.trust_remote_code)
-    model = models.build_reward_model_from_causal(cfg.model, tokenizer, dtype=cfg.dtype,
-                                                  trust_remote_code=cfg.trust_remote_code)
+    model = models.build_reward_model(cfg.model, tokenizer, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code)
     model = float32_for_training(model, f"reward model from {cfg.model}")  # whole weights train
     model.config.pad_token_id = tokenizer.pad_token_id
     model.to(resolve_device(cfg.device))
@@ -282,7 +291,7 @@ def train(cfg: RMConfig, run: RunDir | None = None) -> RunResult:
     model.train()
     shared_prefix = use_shared_prefix(cfg, model)
     # 2. pairs, validated and tokenised before the run folder exists
-    pairs = load_pairs(cfg, tokenizer)
+    pairs = load_pairs(cfg, tokenizer, models.is_encoder_reward_model(model))
     run, resumed = open_run(cfg, "rm") if run is None else (run, None)
     steps_per_epoch = math.ceil(len(pairs["train"]) / cfg.batch_size)
     total = steps_per_epoch * cfg.num_epochs
