@@ -186,7 +186,8 @@ def _not_loadable(name: str, local: bool, error: Exception) -> UserInputError:
         f"no local file or folder {name!r} exists, and datasets could not load it from the Hugging Face Hub "
         f"(the Hub could not be reached, or has no such dataset; {detail})",
         fix="check the path (relative to the current directory) or the dataset id; offline, download the dataset "
-        "beforehand (it is then read from the datasets cache) or export it to JSONL / Parquet",
+        "beforehand (it is then read from the datasets cache; HF_HUB_OFFLINE=1 skips the network retries) or "
+        "export it to JSONL / Parquet",
     )
 
 
