@@ -104,8 +104,8 @@ class UserFunctionCall:
         columns = column_lists(rows)
         if not self.takes_all:
             columns = {k: v for k, v in columns.items() if k in self.named}
-        columns.pop("prompts", None)
-        columns.pop("completions", None)
+        for name in ("prompts", "completions", "completion", "completion_ids"):  # TRL leaves a dataset's
+            columns.pop(name, None)  # own completion out too: `completions` are the policy's
         return self.fn(prompts=list(prompts), completions=list(completions), **columns)
 
     def _located(self, err: Exception, prompts, completions, rows) -> UserInputError:
