@@ -8,6 +8,11 @@ Memory modes (MISSION.md §3, README "PPO memory modes"):
   model (`separate`), or a second LoRA adapter + head on the same frozen base
   (`lora_adapter`), so policy, reference and value share one backbone.
 Dropout is off in every role: with dropout, ratio != 1 at the first minibatch.
+Precision (models/precision.py): with a bf16 / fp16 `dtype` only frozen weights stay half (a LoRA
+base, which is also the reference and the value adapter's trunk); adapters, heads and any whole-weight
+model train in float32; log-probs are taken in float32, values in the head's float32.
+Alignment: values[:, t] = V(prompt + response[:t]), read at the position whose input is the last
+token before response token t, like the logits that predict it (tests/trainers/test_ppo_bf16.py).
 """
 
 from __future__ import annotations
