@@ -90,9 +90,9 @@ TRL_NAMES: dict[str, Counterpart] = {
     "model_revision": _none("pass a local folder or the hub id of the revision you want"),
     # TrainingArguments
     "bf16": _computed("dtype", note="it is mixed precision over float32 weights; rlhflab has no autocast: "
-                                    "--dtype bfloat16 stores the weights themselves in bf16"),
+                                    "--dtype bfloat16 keeps frozen weights (a LoRA base, the reference, the reward model) in bf16; whole weights that train are cast to float32"),
     "fp16": _computed("dtype", note="it is mixed precision over float32 weights; rlhflab has no autocast: "
-                                    "--dtype float16 stores the weights themselves in fp16"),
+                                    "--dtype float16 keeps frozen weights in fp16; whole weights that train are cast to float32"),
     "num_train_epochs": _computed("num_epochs", "total_episodes", "max_steps",
                                   note="rm: --num_epochs; ppo: --total_episodes = epochs x prompts (what TRL's PPO "
                                        "derives when total_episodes is unset); sft: --max_steps optimiser steps"),

@@ -96,7 +96,7 @@ def test_reusing_the_rollout_forward_trains_the_same_policy(policy_dir, tmp_path
         walls = result.summary["wall_time_s"]  # the loop is timed apart from loading, evaluations and saving
         assert set(walls) == {"setup", "loop", "evaluation", "save", "total"}
         assert all(v >= 0 for v in walls.values()) and walls["loop"] > 0
-        assert walls["setup"] + walls["loop"] + walls["evaluation"] + walls["save"] <= walls["total"] + 1e-3
+        assert walls["setup"] + walls["loop"] + walls["evaluation"] + walls["save"] <= walls["total"] + 3e-3  # 5 roundings to 1 ms
         updates = [r for r in rows if "time/generation" in r]
         phases = sum(r["time/generation"] + r["time/scoring"] + r["time/training"] for r in updates)
         assert phases <= walls["loop"] + 1e-3
