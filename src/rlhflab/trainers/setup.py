@@ -12,7 +12,8 @@ import numpy as np
 import torch
 from transformers import get_scheduler
 
-from rlhflab import data, models, tasks
+from rlhflab import models
+from rlhflab.sources.corpus import tokenizer_corpus
 from rlhflab.models.precision import check_trainable_float32, float32_for_training
 
 log = logging.getLogger("rlhflab")
@@ -70,17 +71,6 @@ def seed_everything(seed: int, deterministic: bool = False) -> None:
         torch.backends.cudnn.benchmark = False
 
 
-def tiny_tokenizer_corpus(cfg) -> list[str]:
-    """What the tiny default's BPE learns its pieces from: the user's own training texts when a
-    `train_file` is given (their words become pieces), else the built-in suite's templates."""
-    if not getattr(cfg, "train_file", ""):
-        return tasks.template_corpus()
-    examples = data.load_examples(cfg.train_file, "sft", strict=cfg.strict, split=cfg.dataset_split or None,
-                                  config=cfg.dataset_config or None)
-    log.info("tiny default tokenizer: pieces learnt from the %d rows of %s", len(examples), cfg.train_file)
-    return [e.prompt + e.completion for e in examples]
-
-
 def load_or_build_policy(cfg) -> tuple[torch.nn.Module, object]:
     """Load `cfg.model` with from_pretrained, or build the tiny default when it is empty. Its whole
     weights train: loaded in bf16 / fp16 (asked for, or `dtype=auto` on a half checkpoint), it is cast
@@ -89,7 +79,7 @@ def load_or_build_policy(cfg) -> tuple[torch.nn.Module, object]:
         tokenizer = models.load_tokenizer(cfg.tokenizer or cfg.model, trust_remote_code=cfg.trust_remote_code)
         model = models.load_causal_lm(cfg.model, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code)
         return float32_for_training(model, f"SFT model {cfg.model}"), tokenizer
-    tokenizer = models.build_tokenizer(tiny_tokenizer_corpus(cfg), vocab_size=cfg.vocab_size)
+    tokenizer = models.build_tokenizer(tokenizer_corpus(cfg), vocab_size=cfg.vocab_size)
     model = models.build_tiny_model(
         tokenizer,
         arch=cfg.arch,
