@@ -70,7 +70,7 @@ def config(mode: str, dtype: str, model_dir: str, updates: int, batch: int):
 
 def held_bytes(cfg) -> dict:
     """MiB of the weights the roles keep resident, and of gradients + AdamW moments of what trains."""
-    from rlhflab.trainers.ppo_setup import build_roles
+    from rlhflab.trainers.online.setup import build_roles
 
     roles, _ = build_roles(cfg)
     modules = [m for m in (*roles.modules(), roles.reference) if m is not None]

@@ -28,6 +28,10 @@ def arg(default: Any, help: str, **extra: Any) -> Any:
     return dataclasses.field(default=default, metadata={"help": help, **extra})
 
 
+# `rlhflab compare --methods`: the trainers it can run, in the order they are reported
+COMPARE_METHODS = ("ppo", "grpo", "rloo", "reinforce", "dpo", "online-dpo")
+
+
 # --- shared parts -----------------------------------------------------------------
 
 
@@ -269,6 +273,8 @@ class OnlineFields(MonitorFields, CheckpointFields, RunFields, ModelFields, Suit
            "freed, which lowers peak RSS for big models (1 is a good value at ~25M+ parameters); 0 = malloc's default")
     # the cycle
     total_episodes: int = arg(3840, "responses generated over the run")
+    max_seconds: float = arg(0.0, "stop after this many seconds of the run's cycle (updates and evaluations, not "
+                                  "loading); 0 = no limit (rlhflab compare's wall-time budget)")
     batch_size: int = arg(64, "responses per rollout (one update); with num_generations k: batch_size / k prompts")
     num_mini_batches: int = arg(1, "minibatches (optimiser steps) each rollout is split into per pass")
     response_length: int = arg(26, "response-length cap in tokens during rollouts")
@@ -431,6 +437,81 @@ class DemoConfig(SFTConfig):
     rm_near_misses: int = arg(0, "reward model: near-miss rejected answers per train prompt (one copied letter changed)")
     rm_diagnosis_samples: int = arg(8, "reward-model diagnosis: answers sampled per test prompt (8 x the default 100 "
                                        "test prompts = 800 answers: a correlation steady to about +-0.01)")
+    compare: bool = arg(False, "after the demo, compare every available method (ppo, grpo, rloo, reinforce, dpo, "
+                               "online-dpo) from the SFT model on the suite: rlhflab compare's defaults, into RUN/compare")
+
+
+@dataclass(frozen=True)
+class DPOConfig(CheckpointFields, RunFields, ModelFields, SuiteFields, DataFields, OptimFields, LoraFields,
+                GenerationFields):
+    """`rlhflab dpo`: direct preference optimisation on (prompt, chosen, rejected) pairs: DPO, IPO or SimPO."""
+
+    reference: str = arg("", "reference model folder; empty = the policy's starting weights (its log-probs are "
+                             "computed once before training; the reference is never resident)")
+    loss_type: Literal["sigmoid", "ipo", "simpo"] = arg(
+        "sigmoid", "sigmoid = DPO (Rafailov et al. 2023) on summed log-probs; ipo = IPO (Azar et al. 2023) and simpo = "
+                   "SimPO (Meng et al. 2024, no reference) on length-averaged log-probs, as TRL")
+    beta: float = arg(0.1, "implicit-reward scale beta (IPO: its tau, the target margin is 1 / (2 beta); SimPO's "
+                           "paper uses 2.0-2.5)")
+    label_smoothing: float = arg(0.0, "sigmoid only: share of pairs assumed mislabelled (conservative DPO); 0 = off")
+    simpo_gamma: float = arg(0.5, "simpo only: target reward margin gamma")
+    num_epochs: int = arg(3, "passes over the training pairs (when max_steps is 0)")
+    max_steps: int = arg(0, "optimiser steps; 0 = num_epochs decide")
+    max_pairs: int = arg(0, "stop once this many pairs were trained on (rlhflab compare's equal-work budget); 0 = no limit")
+    max_seconds: float = arg(0.0, "stop after this many seconds of the training loop (steps and evaluations, not "
+                                  "loading); 0 = no limit (rlhflab compare's wall-time budget)")
+    batch_size: int = arg(32, "pairs per optimiser step (split over gradient_accumulation_steps)")
+    shared_prefix: bool = arg(True, "run a pair's chosen and rejected in one row that computes their shared prompt "
+                                    "once (Llama / Qwen2 layouts; the same log-probs, fewer tokens)")
+    eval_every: int = arg(20, "validation pairs' metrics and pass rate every N steps; 0 = start and end only")
+    eval_prompts: int = arg(100, "validation prompts answered for val/pass_rate")
+    verifier: str = arg("", "pass / fail function FILE.py:NAME for val/pass_rate, called as fn(prompts, completions, "
+                            "**columns) -> list of bool; 'checker' = the suite's checker; empty = the checker on the "
+                            "suite, none on your own pairs")
+    pair_kinds: str = arg("", "built-in suite: violation kinds of the rejected answers (comma-separated); empty = all")
+    pairs_per_prompt: int = arg(3, "built-in suite: rejected answers per prompt")
+    pair_kinds_always: str = arg("", "built-in suite: kinds every prompt's training pairs include when its family has "
+                                     "them, after the dominant kind; empty = random")
+    near_misses: int = arg(0, "built-in suite: extra rejected answers per train prompt that are the reference with "
+                              "one letter of a copied word changed; 0 = off")
+    pair_prompts: int = arg(0, "built-in suite: train pairs on this many fresh train-pool prompts; 0 = the fixed "
+                               "train split")
+    hard_negatives: int = arg(0, "built-in suite: answers sampled per prompt from --model; each failing one becomes a "
+                                 "rejected answer against the reference; 0 = off")
+    learning_rate: float = arg(5e-5, "peak AdamW learning rate")
+    warmup_steps: int = arg(5, "linear warmup steps")
+    lr_schedule: Literal["cosine", "linear", "constant"] = arg("linear", "decay after warmup")
+    save_every: int = arg(50, "write RUN/checkpoints/step-N every N steps and at the end; 0 = only at the end")
+
+
+@dataclass(frozen=True)
+class CompareConfig(RunFields, ModelFields, SuiteFields, PromptFileFields, RewardFunctionFields, LoraFields,
+                    GenerationFields):
+    """`rlhflab compare`: several methods from one SFT model, each with the same prompts, seed, reward, generation
+    settings, budget and test evaluation, side by side (README "Comparing methods").
+
+    Every field here is shared by all methods; a method's own settings go in a section of the --config YAML named
+    after it (e.g. `grpo: {learning_rate: 2.0e-5}`), which may not set a shared field or the budget.
+    """
+
+    yaml_sections: typing.ClassVar[tuple[str, ...]] = COMPARE_METHODS + ("online_dpo",)
+
+    methods: str = arg(",".join(COMPARE_METHODS), "methods to run, comma-separated, from "
+                                                  f"{', '.join(COMPARE_METHODS)}")
+    budget: str = arg("episodes=3840", "what every method gets: episodes=N sampled responses (DPO: N preference "
+                                       "pairs trained on) or seconds=S of training wall time")
+    reward: Literal["auto", "checker", "model", "combined", "random"] = arg(
+        "auto", "online methods' reward (and online DPO's ranking): auto = the reward model and/or --reward_fn "
+                "functions when given, else the suite's checker; checker / model / combined / random")
+    reward_model: str = arg("", "reward model folder (sequence classifier with one output)")
+    normalize_reward: bool = arg(False, "set the reward model's shift/scale so the starting policy's answers score "
+                                        "mean 0, std 1")
+    response_length: int = arg(26, "response-length cap in tokens during rollouts and the KL measurement")
+    temperature: float = arg(1.0, "sampling temperature of rollouts and of the KL measurement (and of evaluation "
+                                  "with --do_sample)")
+    prompts_file: str = arg("", "test prompts (same formats as eval --prompts_file); empty = the built-in suite's "
+                                "test split")
+    kl_samples: int = arg(4, "responses sampled per test prompt to measure each model's KL to the starting model")
 
 
 @dataclass(frozen=True)
@@ -454,6 +535,8 @@ STAGES: dict[str, type] = {
     "reinforce": REINFORCEConfig,
     "rm": RMConfig,
     "rm diagnose": RMDiagnoseConfig,
+    "dpo": DPOConfig,
+    "compare": CompareConfig,
     "report": ReportConfig,
 }
 
@@ -545,12 +628,18 @@ def read_yaml_config(path: str, config_cls: type) -> dict[str, Any]:
         raise UserInputError(f"not valid YAML ({err})", path, "fix the syntax or pass another file") from err
     if not isinstance(values, dict):
         raise UserInputError("a config file must be a mapping of field: value", path)
+    sections = getattr(config_cls, "yaml_sections", ())  # keys its command reads itself (compare's per-method ones)
+    return check_values({k: v for k, v in values.items() if k not in sections}, config_cls, path)
+
+
+def check_values(values: dict[str, Any], config_cls: type, where: str) -> dict[str, Any]:
+    """Check every key and value of a mapping (a YAML file, or one section of it) against `config_cls`."""
     names = field_names(config_cls)
     unknown = [str(key) for key in values if key not in names]
     if unknown:
-        raise _unknown(unknown, config_cls, "config key", path, flag=False)
+        raise _unknown(unknown, config_cls, "config key", where, flag=False)
     hints = typing.get_type_hints(config_cls)
-    return {key: _coerce(key, value, hints[key], f"{path}: {key}") for key, value in values.items()}
+    return {key: _coerce(key, value, hints[key], f"{where}: {key}") for key, value in values.items()}
 
 
 def build_parser(config_cls: type, prog: str) -> HfArgumentParser:

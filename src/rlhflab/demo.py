@@ -41,7 +41,6 @@ from rlhflab.eval.rm_diagnosis import diagnose
 from rlhflab.errors import UserInputError
 from rlhflab.tracking import RunDir, RunResult, default_run_path
 from rlhflab.trainers import ppo, reward, sft
-from rlhflab.trainers.ppo_setup import check_ppo_config
 from rlhflab.trainers.setup import resolve_device
 
 # Parts whose values the demo hands to every stage; other fields keep each stage's own defaults
@@ -133,7 +132,7 @@ def check_later_stages(cfg: DemoConfig) -> None:
     for reward_fields in ({}, {"reward": "model", "reward_model": placeholder, "normalize_reward": True}):
         ppo_cfg = ppo_stage_config(cfg, placeholder, placeholder, **reward_fields)
         try:
-            check_ppo_config(ppo_cfg)
+            ppo.check_config(ppo_cfg)
         except UserInputError as err:  # name the demo's own ways to set PPO fields
             raise UserInputError(err.what, f"demo PPO stage, {err.where}",
                                  f"{err.fix}; the demo sets PPO fields through --ppo_total_episodes, "

@@ -34,7 +34,6 @@ from rlhflab.eval import RunMonitor
 from rlhflab.report import is_run_folder, write_comparison, write_report
 from rlhflab.tracking import RUN_MARKERS, default_run_path
 from rlhflab.trainers import ppo, reward, sft
-from rlhflab.trainers.ppo_setup import check_ppo_config
 
 log = logging.getLogger("rlhflab")
 
@@ -139,7 +138,7 @@ def folder_names(field: str, texts: list[str]) -> list[str]:
 def check_stage_config(stage: str, cfg: Any) -> None:
     """The checks a stage does before loading anything, done for every value up front."""
     if stage == "ppo":
-        check_ppo_config(cfg)
+        ppo.check_config(cfg)
         RunMonitor.from_config(cfg)  # a bad stop_on_alarms
     for name in ("max_steps", "batch_size", "num_epochs", "total_episodes"):
         if isinstance(getattr(cfg, name, None), int) and getattr(cfg, name) < 1:

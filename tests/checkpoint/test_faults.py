@@ -42,16 +42,16 @@ def test_nan_rewards_stop_ppo_naming_the_update_with_no_checkpoint_after_it(poli
 
 
 def test_a_nan_loss_stops_ppo_naming_update_and_rows_with_no_checkpoint_after_it(policy_dir, tmp_path, monkeypatch):
-    real = ppo.minibatch_losses
+    real = ppo.PPO.loss
     seen = []
 
-    def nan_at_update_2(roles, rollout, idx, *args):
-        loss, stats = real(roles, rollout, idx, *args)
+    def nan_at_update_2(self, *args):
+        loss, stats = real(self, *args)
         seen.append(1)
         per_update = 2 * 2  # num_ppo_epochs x num_mini_batches
         return (loss * math.nan if len(seen) > per_update else loss), stats
 
-    monkeypatch.setattr(ppo, "minibatch_losses", nan_at_update_2)
+    monkeypatch.setattr(ppo.PPO, "loss", nan_at_update_2)
     with pytest.raises(FloatingPointError, match=r"PPO update 2: non-finite PPO loss nan at lr \S+ \(rollout rows "
                                                  r"\[\d+(, \d+)*\], train prompts \[\d+(, \d+)*\]\); no checkpoint"):
         train(every_update(policy_dir, tmp_path / "run"))
@@ -142,17 +142,17 @@ def test_skip_mode_drops_nan_sft_steps_counts_them_and_resumes_exactly(tmp_path,
 
 
 def test_skip_mode_drops_nan_ppo_minibatch_steps_and_counts_them(policy_dir, tmp_path, monkeypatch):
-    real = ppo.minibatch_losses
+    real = ppo.PPO.loss
     seen = []
     per_update = 2 * 2  # num_ppo_epochs x num_mini_batches
     injected = set(range(2 * per_update + 1, 3 * per_update + 1)) | {4 * per_update + 2}  # all of update 3, one of 5
 
-    def nan_loss(roles, rollout, idx, *args):
-        loss, stats = real(roles, rollout, idx, *args)
+    def nan_loss(self, *args):
+        loss, stats = real(self, *args)
         seen.append(1)
         return (loss * math.nan if len(seen) in injected else loss), stats
 
-    monkeypatch.setattr(ppo, "minibatch_losses", nan_loss)
+    monkeypatch.setattr(ppo.PPO, "loss", nan_loss)
     out = tmp_path / "run"
     train([*every_update(policy_dir, out), "--nonfinite", "skip"])
     rows = [r for r in metrics(out) if "kl_coef" in r]  # the update rows, not the evaluations

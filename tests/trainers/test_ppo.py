@@ -4,6 +4,7 @@ import dataclasses
 import json
 
 import pytest
+from online_steps import run_passes, scored
 from tinyhf import save_suite_model
 import torch
 
@@ -14,7 +15,9 @@ from rlhflab.core.logprobs import selective_log_softmax
 from rlhflab.rollout import GenerationSettings, response_logprobs
 from rlhflab.rollout.rollout import collect_rollout
 from rlhflab.trainers import ppo
-from rlhflab.trainers.ppo_setup import build_roles
+from rlhflab.trainers.online.algorithm import Advantages, StepShare
+from rlhflab.trainers.online.loop import micro_losses
+from rlhflab.trainers.online.setup import build_roles
 
 MODES = {
     "full": dict(),
@@ -147,9 +150,13 @@ def test_post_eos_tokens_carry_no_reward_kl_or_loss(policy_dir):
         clean, logprobs=torch.where(mask, rollout.logprobs, torch.tensor(float("nan"))),
         values=torch.where(mask, rollout.values, torch.tensor(1e9)))
     idx = torch.arange(8)
-    loss_a, _ = ppo.minibatch_losses(roles, clean, idx, advantages, returns, cfg, 1.0)
+    share = StepShare(tokens=mask.sum().item(), rows=8, rollout_tokens=mask.sum().item(), response_length=mask.shape[1])
+    algorithm = ppo.PPO(cfg)
+    loss_a, _ = micro_losses(algorithm, roles, scored(clean), Advantages(advantages, returns, {}), idx, share,
+                             cfg.temperature)
     noisy_adv = torch.where(mask, advantages, torch.tensor(float("inf")))
-    loss_b, _ = ppo.minibatch_losses(roles, garbage, idx, noisy_adv, returns, cfg, 1.0)
+    loss_b, _ = micro_losses(algorithm, roles, scored(garbage), Advantages(noisy_adv, returns, {}), idx, share,
+                             cfg.temperature)
     assert torch.isfinite(loss_a) and torch.equal(loss_a, loss_b)
 
 
@@ -165,7 +172,8 @@ def test_every_trainable_parameter_changes_and_frozen_ones_do_not(policy_dir, mo
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
     advantages = torch.randn(rollout.response_ids.shape).masked_fill(~rollout.response_mask, 0)
     returns = torch.randn(rollout.response_ids.shape).masked_fill(~rollout.response_mask, 0)
-    ppo.ppo_epochs(roles, optimizer, scheduler, rollout, advantages, returns, cfg, torch.Generator().manual_seed(0))
+    run_passes(ppo.PPO(cfg), roles, optimizer, scheduler, rollout, advantages, returns, cfg,
+                   torch.Generator().manual_seed(0))
     unchanged = [n for n, p in named if id(p) in trainable and torch.equal(p, before[n])]
     moved_frozen = [n for n, p in named if id(p) not in trainable and not torch.equal(p, before[n])]
     assert not unchanged, unchanged
@@ -187,7 +195,8 @@ def test_gradient_accumulation_matches_one_big_minibatch(policy_dir):
         gen = torch.Generator().manual_seed(1)
         advantages = torch.randn(rollout.response_ids.shape, generator=gen).masked_fill(~rollout.response_mask, 0)
         returns = torch.randn(rollout.response_ids.shape, generator=gen).masked_fill(~rollout.response_mask, 0)
-        ppo.ppo_epochs(roles, optimizer, scheduler, rollout, advantages, returns, cfg, torch.Generator().manual_seed(0))
+        run_passes(ppo.PPO(cfg), roles, optimizer, scheduler, rollout, advantages, returns, cfg,
+                   torch.Generator().manual_seed(0))
         results.append([p.detach().clone() for p in roles.trainable_parameters()])
     for one, eight in zip(*results):
         assert torch.allclose(one, eight, atol=1e-6, rtol=1e-4)
@@ -241,7 +250,7 @@ def test_a_reward_with_the_wrong_number_of_scores_is_a_clear_error(policy_dir, t
 
 def test_reward_model_normalisation_gives_the_starting_policy_mean_zero_std_one(policy_dir, tmp_path):
     from rlhflab.rollout import generate_answers
-    from rlhflab.trainers.ppo_setup import build_reward
+    from rlhflab.trainers.online.setup import build_reward
 
     tokenizer = models.load_tokenizer(policy_dir)
     rm = models.build_random_reward_model(tokenizer, hidden_size=32, num_layers=1, num_heads=4, intermediate_size=64)
@@ -260,7 +269,7 @@ def test_reward_model_normalisation_gives_the_starting_policy_mean_zero_std_one(
 
 def scripted_evaluations(monkeypatch, rates: dict[int, float]) -> dict[int, dict]:
     """Replace the validation pass rate with `rates[step]`; keep a copy of the policy at each evaluation."""
-    from rlhflab.trainers.ppo_eval import PPOEvaluator
+    from rlhflab.trainers.online.evaluate import Evaluator
 
     policies: dict[int, dict] = {}
 
@@ -270,7 +279,7 @@ def scripted_evaluations(monkeypatch, rates: dict[int, float]) -> dict[int, dict
         self.run.log(metrics, step=step)
         return metrics
 
-    monkeypatch.setattr(PPOEvaluator, "evaluate", evaluate)
+    monkeypatch.setattr(Evaluator, "evaluate", evaluate)
     return policies
 
 

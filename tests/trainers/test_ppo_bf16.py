@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from online_steps import run_passes
 import yaml
 
 from rlhflab import data, models, tasks
@@ -17,7 +18,7 @@ from rlhflab.core.logprobs import selective_log_softmax
 from rlhflab.rollout import GenerationSettings
 from rlhflab.rollout.rollout import collect_rollout
 from rlhflab.trainers import ppo
-from rlhflab.trainers.ppo_setup import build_roles
+from rlhflab.trainers.online.setup import build_roles
 
 MODES = {
     "full": dict(),
@@ -99,7 +100,8 @@ def test_bf16_first_step_is_exact_and_one_update_moves_every_float32_trainable_t
     gen = torch.Generator().manual_seed(1)
     advantages = torch.randn(mask.shape, generator=gen).masked_fill(~mask, 0)
     returns = torch.randn(mask.shape, generator=gen).masked_fill(~mask, 0)
-    ppo.ppo_epochs(roles, optimizer, scheduler, rollout, advantages, returns, cfg, torch.Generator().manual_seed(0))
+    run_passes(ppo.PPO(cfg), roles, optimizer, scheduler, rollout, advantages, returns, cfg,
+               torch.Generator().manual_seed(0))
     unchanged = [n for n, p in named if id(p) in trainable and torch.equal(p, before[n])]
     moved_frozen = [n for n, p in named if id(p) not in trainable and not torch.equal(p, before[n])]
     assert not unchanged, unchanged

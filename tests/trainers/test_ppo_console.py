@@ -8,7 +8,7 @@ import pytest
 from rlhflab import models, rewards, sources, tasks
 from rlhflab.config import PPOConfig
 from rlhflab.tracking import RunDir
-from rlhflab.trainers.ppo_eval import PPOEvaluator, samples_table
+from rlhflab.trainers.online.evaluate import Evaluator, samples_table
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +35,7 @@ def evaluator_run(tmp_path, policy_and_tokenizer, console_samples: int):
                     max_new_tokens=4, num_train_prompts=22, num_validation_prompts=11, num_test_prompts=11)
     run = RunDir(tmp_path / f"run{console_samples}")
     rows = sources.suite_prompts(tasks.build_splits(0, 22, 11, 11)["validation"], "validation")
-    evaluator = PPOEvaluator(rows, tokenizer, cfg, run, rewards.CheckerVerifier())
+    evaluator = Evaluator(rows, tokenizer, cfg, run, rewards.CheckerVerifier())
     metrics = evaluator.evaluate(policy, step=3, episode=24)
     run.close()
     return metrics, run

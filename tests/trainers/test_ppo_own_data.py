@@ -15,6 +15,7 @@ from rlhflab.data.prompt_rows import PromptRow
 from rlhflab.errors import UserInputError
 from rlhflab.report import write_report
 from rlhflab.trainers import ppo
+from rlhflab.trainers.online.loop import sampling_seed, scored_batch
 
 USER_REWARDS = '''
 CALLS = []
@@ -133,7 +134,7 @@ def test_reward_weights_must_match_the_functions(policy_dir, user_files):
 
 
 def test_weighted_functions_sum(user_files):
-    from rlhflab.trainers.ppo_setup import build_reward
+    from rlhflab.trainers.online.setup import build_reward
 
     cfg = PPOConfig(model="unused", reward_fn="my_rewards.py:digits,my_rewards.py:named_only", reward_weights="2,0.5")
     reward, _ = build_reward(cfg, tokenizer=None)
@@ -179,9 +180,9 @@ def test_the_checker_verifier_on_rows_without_suite_columns_is_refused(policy_di
 
 
 def scripted_verifier(monkeypatch, rates: dict[int, float]):
-    from rlhflab.trainers.ppo_eval import PPOEvaluator
+    from rlhflab.trainers.online.evaluate import Evaluator
 
-    real = PPOEvaluator.evaluate
+    real = Evaluator.evaluate
 
     def evaluate(self, policy, step, episode):
         metrics = real(self, policy, step, episode)
@@ -189,7 +190,7 @@ def scripted_verifier(monkeypatch, rates: dict[int, float]):
         self.run.log({"val/pass_rate": rates[step]}, step=step)
         return metrics
 
-    monkeypatch.setattr(PPOEvaluator, "evaluate", evaluate)
+    monkeypatch.setattr(Evaluator, "evaluate", evaluate)
 
 
 def test_after_keep_best_restores_the_summary_describes_the_saved_policy(policy_dir, tmp_path, monkeypatch):
@@ -212,18 +213,20 @@ def test_after_keep_best_restores_the_summary_describes_the_saved_policy(policy_
 
 def test_explained_variance_reads_only_the_rows_the_reward_scored():
     values = torch.tensor([[0.5, 1.0, 0.0], [9.0, -9.0, 9.0], [1.0, 2.0, 2.0]])
-    returns = torch.tensor([[0.6, 0.8, 0.0], [0.0, 0.0, 0.0], [1.2, 2.2, 1.5]])
     mask = torch.tensor([[True, True, False], [True, True, True], [True, True, True]])
     valid = torch.tensor([True, False, True])
-    rollout = SimpleNamespace(response_mask=mask, values=values, entropy=torch.ones(3, 3),
-                              ended_with_eos=torch.ones(3, dtype=torch.bool), response_ids=torch.ones(3, 3, dtype=torch.long))
-    metrics = ppo.rollout_metrics(rollout, torch.zeros(3), torch.zeros(3, 3), torch.zeros(3, 3), returns, 0.05,
-                                  valid, [0, 1, 2])
+    zeros = torch.zeros(3, 3)
+    rollout = SimpleNamespace(response_mask=mask, values=values, logprobs=zeros, ref_logprobs=zeros,
+                              entropy=torch.ones(3, 3), ended_with_eos=torch.ones(3, dtype=torch.bool),
+                              response_ids=torch.ones(3, 3, dtype=torch.long))
+    batch = scored_batch(rollout, torch.tensor([1.0, 0.0, -1.0]), valid, 1)
+    adv = ppo.PPO(PPOConfig(whiten_advantages=False)).advantages(batch)
     keep = mask & valid[:, None]
-    residual, target = (returns - values)[keep], returns[keep]
+    residual, target = (adv.returns - values)[keep], adv.returns[keep]
     by_hand = 1 - residual.var(unbiased=False) / target.var(unbiased=False)
-    assert metrics["val/explained_variance"] == pytest.approx(by_hand.item(), abs=1e-6)
-    assert metrics["val/explained_variance"] != pytest.approx(core.explained_variance(values, returns, mask).item())
+    assert adv.metrics["val/explained_variance"] == pytest.approx(by_hand.item(), abs=1e-6)
+    unmasked = core.explained_variance(values, adv.returns, mask).item()
+    assert adv.metrics["val/explained_variance"] != pytest.approx(unmasked)
 
 
 def test_token_sampling_and_prompt_order_have_different_seeds(policy_dir, tmp_path, monkeypatch):
@@ -238,9 +241,9 @@ def test_token_sampling_and_prompt_order_have_different_seeds(policy_dir, tmp_pa
     cfg = tiny_cfg(policy_dir, total_episodes=8, eval_every=0, num_train_prompts=22, num_validation_prompts=11,
                    num_test_prompts=11, seed=3, output_dir=str(tmp_path / "run"))
     ppo.train(cfg, reward_fn=lambda p, r, rows: [0.0] * len(r))
-    assert 3 in seeds and ppo.sampling_seed(3) in seeds and ppo.sampling_seed(3) != 3
+    assert 3 in seeds and sampling_seed(3) in seeds and sampling_seed(3) != 3
     order = torch.randperm(50, generator=torch.Generator().manual_seed(3))
-    tokens = torch.randperm(50, generator=torch.Generator().manual_seed(ppo.sampling_seed(3)))
+    tokens = torch.randperm(50, generator=torch.Generator().manual_seed(sampling_seed(3)))
     assert not torch.equal(order, tokens)
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from rlhflab.eval.alarms import AlarmRules, Alarms
 from rlhflab.eval.stopping import StoppingRule, parse_alarm_names
-from rlhflab.trainers.ppo_setup import held_out_metric
+from rlhflab.trainers.online.setup import held_out_metric
 
 
 class RunMonitor:

@@ -6,7 +6,8 @@ Memory modes (MISSION.md §3, README "PPO memory modes"):
 - LoRA policy: the reference is the same base with the adapter switched off;
 - value: a scalar head on the policy's own trunk (`shared`), a separate value
   model (`separate`), or a second LoRA adapter + head on the same frozen base
-  (`lora_adapter`), so policy, reference and value share one backbone.
+  (`lora_adapter`), so policy, reference and value share one backbone; or no critic at
+  all (`none`: GRPO, RLOO, REINFORCE), where values are None.
 Dropout is off in every role: with dropout, ratio != 1 at the first minibatch.
 Precision (models/precision.py): with a bf16 / fp16 `dtype` only frozen weights stay half (a LoRA
 base, which is also the reference and the value adapter's trunk); adapters, heads and any whole-weight
@@ -118,8 +119,10 @@ class PolicyRoles:
         values = self.value_head(hidden[:, start:-1])
         return logits, values
 
-    def values(self, query_ids, query_mask, response_ids, response_mask) -> Tensor:
-        """V(s_t) for every response token, from the value model or value adapter. (B, T)."""
+    def values(self, query_ids, query_mask, response_ids, response_mask) -> Tensor | None:
+        """V(s_t) for every response token, from the value model or value adapter (B, T); None without a critic."""
+        if self.value_mode == "none":
+            return None
         input_ids, attention, positions = joined(query_ids, query_mask, response_ids, response_mask)
         start = query_ids.shape[1] - 1
         if self.value_mode == "separate":
@@ -128,7 +131,7 @@ class PolicyRoles:
             hidden = models.last_hidden_state(self.policy, input_ids, attention, positions)
         return self.value_head(hidden[:, start:-1])
 
-    def logits_and_values(self, query_ids, query_mask, response_ids, response_mask) -> tuple[Tensor, Tensor]:
+    def logits_and_values(self, query_ids, query_mask, response_ids, response_mask) -> tuple[Tensor, Tensor | None]:
         logits, values = self.policy_forward(query_ids, query_mask, response_ids, response_mask)
         if values is None:
             values = self.values(query_ids, query_mask, response_ids, response_mask)

@@ -21,13 +21,13 @@ class Rollout:
     response_mask: Tensor  # (B, T) bool, True up to and including the first EOS
     logprobs: Tensor  # (B, T) log pi_old(a_t|s_t), same temperature as sampling; 0 where masked
     ref_logprobs: Tensor  # (B, T) log pi_ref(a_t|s_t); 0 where masked
-    values: Tensor  # (B, T) V_old(s_t); 0 where masked
+    values: Tensor  # (B, T) V_old(s_t); 0 where masked, and everywhere without a critic
     entropy: Tensor  # (B, T) policy entropy at each response position; 0 where masked
     ended_with_eos: Tensor  # (B,) bool, False when the response hit the length cap
     seconds: dict  # wall time of "generation" and "forward" (old log-probs, reference, values)
-    # with keep_graph: the policy forward's (B, T, V) logits and (B, T) values, autograd graph attached,
+    # with keep_graph: the policy forward's (B, T, V) logits and (B, T) values (None: no critic), autograd graph attached,
     # which ARE the first training forward when one minibatch holds the whole rollout (ppo_epochs)
-    policy_forward: tuple[Tensor, Tensor] | None = None
+    policy_forward: tuple[Tensor, Tensor | None] | None = None
 
     @property
     def batch_size(self) -> int:
@@ -67,13 +67,15 @@ def collect_rollout(
         with torch.enable_grad():
             kept = roles.logits_and_values(q_ids, q_mask, r_ids, r_mask)
         roles.train(False)
-        logits, values = (t.detach() for t in kept)
+        logits, values = (t.detach() if t is not None else None for t in kept)
     else:
         logits, values = roles.logits_and_values(q_ids, q_mask, r_ids, r_mask)
     logprobs = selective_log_softmax(logits, r_ids, settings.temperature)
     entropy = entropy_from_logits(logits, settings.temperature)
     ref_logprobs = roles.reference_logprobs(q_ids, q_mask, r_ids, r_mask, settings.temperature)
     zero = torch.zeros((), dtype=logprobs.dtype)
+    if values is None:  # no critic
+        values = torch.zeros_like(logprobs)
     return Rollout(
         query_ids=q_ids,
         query_mask=q_mask,

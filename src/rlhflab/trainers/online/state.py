@@ -1,8 +1,9 @@
-"""What a PPO checkpoint holds, and how a resumed run puts it back.
+"""What an online run's checkpoint holds, and how a resumed run puts it back.
 
 Weights: every trainable tensor of the roles (the full policy, or its LoRA adapters;
 the value head / value model / value adapter); the frozen base and reference come back
-from `cfg.model`. State: AdamW and LR schedule, the KL controller, the RNGs (global
+from `cfg.model`. State: AdamW and LR schedule, the algorithm's own (PPO's KL controller,
+REINFORCE's moving baseline), the RNGs (global
 ones and the loop's `order` / `sampler` generators), the loop's position (update,
 episode, the rest of the shuffled prompt order) and the last metrics the summary needs,
 and the monitor's side (alarms, the rows it saw, the best policy so far).
@@ -17,11 +18,11 @@ import torch
 from rlhflab.checkpoint import Resumed, load_trainable_weights, restore_rng, rng_state, trainable_weights
 from rlhflab.checkpoint.state import load_optimiser
 from rlhflab.rollout.roles import PolicyRoles
-from rlhflab.trainers.ppo_monitor import RunWatch
+from rlhflab.trainers.online.monitor import RunWatch
 
 
 @dataclass
-class PPOProgress:
+class Progress:
     """The loop's counters and the rows the final summary reads."""
 
     update: int = 0
@@ -32,6 +33,8 @@ class PPOProgress:
     last: dict = field(default_factory=dict)  # the last update's metrics
     finished: bool = False  # the loop ended (all updates, or the monitor stopped it)
     skipped: int = 0  # optimiser steps dropped by nonfinite=skip so far
+    walls: dict = field(default_factory=dict)  # seconds of the cycle so far ("loop", "evaluation", "save")
+    budget_stop: dict | None = None  # where max_seconds stopped the run
 
 
 def role_modules(roles: PolicyRoles) -> dict[str, torch.nn.Module]:
@@ -39,21 +42,21 @@ def role_modules(roles: PolicyRoles) -> dict[str, torch.nn.Module]:
     return {name: module for name, module in named.items() if module is not None}
 
 
-def pack_ppo(roles: PolicyRoles, optimizer, scheduler, kl_ctl, generators: dict[str, torch.Generator],
-             progress: PPOProgress, watch: RunWatch) -> tuple[dict[str, torch.Tensor], dict]:
+def pack_online(roles: PolicyRoles, optimizer, scheduler, algorithm, generators: dict[str, torch.Generator],
+             progress: Progress, watch: RunWatch) -> tuple[dict[str, torch.Tensor], dict]:
     state = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-             "kl_controller": kl_ctl.state_dict(), "rng": rng_state(generators),
+             "algorithm": algorithm.state_dict(), "rng": rng_state(generators),
              "progress": dict(vars(progress)), "watch": watch.state_dict()}
     return trainable_weights(role_modules(roles)), state
 
 
-def unpack_ppo(resumed: Resumed, roles: PolicyRoles, optimizer, scheduler, kl_ctl,
-               generators: dict[str, torch.Generator], watch: RunWatch) -> PPOProgress:
+def unpack_online(resumed: Resumed, roles: PolicyRoles, optimizer, scheduler, algorithm,
+               generators: dict[str, torch.Generator], watch: RunWatch) -> Progress:
     """Put a checkpoint back into freshly built roles / optimiser / ...; returns the loop's position."""
     state = resumed.state
     load_trainable_weights(role_modules(roles), resumed.weights, str(resumed.checkpoint / "model.safetensors"))
     load_optimiser(optimizer, scheduler, state, str(resumed.checkpoint / "state.safetensors"))  # config's lr etc.
-    kl_ctl.load_state_dict(state["kl_controller"])
+    algorithm.load_state_dict(state["algorithm"])
     watch.load_state_dict(state["watch"])
     restore_rng(state["rng"], generators)
-    return PPOProgress(**state["progress"])
+    return Progress(**state["progress"])

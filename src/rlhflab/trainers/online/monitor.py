@@ -1,4 +1,4 @@
-"""What the PPO loop does with a monitor: feed it, log its alarms, stop, keep the best policy.
+"""What the online loop does with a monitor: feed it, log its alarms, stop, keep the best policy.
 
 The alarms and the stopping rule live in `rlhflab.eval` (a layer above trainers), so
 the loop only knows the small `Monitor` protocol below; `rlhflab.eval.RunMonitor`
@@ -109,7 +109,7 @@ class RunWatch:
         reason = self.monitor.stop_reason() if self.monitor is not None else None
         if reason:
             self.stopped = {"step": step, "episode": episode, "reason": reason}
-            log.warning("stopping PPO early at update %d (episode %d): %s", step, episode, reason)
+            log.warning("stopping early at update %d (episode %d): %s", step, episode, reason)
         return bool(reason)
 
     def finish(self, step: int, end_pass_rate: float) -> dict:

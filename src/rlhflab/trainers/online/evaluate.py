@@ -1,4 +1,4 @@
-"""PPO's periodic check on the validation prompts: the held-out signal, samples and a console table.
+"""An online run's periodic check on the validation prompts: the held-out signal, samples and a console table.
 
 With a verifier (the suite's checker, or `--verifier`) the signal is `val/pass_rate` (and
 `val/pass_rate/<family>` when rows have a `family` column). Without one it is `val/reward`,
@@ -24,13 +24,13 @@ from rlhflab.trainers.validation import answer_rows, pass_rate_table, verify_row
 log = logging.getLogger("rlhflab")
 
 
-class PPOEvaluator:
+class Evaluator:
     """Same prompts and decoding at every evaluation, so the curve compares like with like."""
 
     def __init__(self, validation: list[PromptRow], tokenizer, cfg, run: RunDir,
                  verifier: rewards.Verifier | None, reward_fn=None):
         if verifier is None and reward_fn is None:
-            raise ValueError("PPOEvaluator needs a verifier or a reward source")
+            raise ValueError("Evaluator needs a verifier or a reward source")
         self.rows = validation[: cfg.eval_prompts]
         self.tokenizer = tokenizer
         self.cfg = cfg

@@ -1,4 +1,4 @@
-"""Write what PPO trained as ordinary HF folders."""
+"""Write what an online run trained as ordinary HF folders."""
 
 from __future__ import annotations
 
@@ -10,12 +10,13 @@ from rlhflab import models
 from rlhflab.rollout.roles import PolicyRoles
 
 
-def save_ppo_models(roles: PolicyRoles, tokenizer, run_path: Path) -> Path:
+def save_policy_models(roles: PolicyRoles, tokenizer, run_path: Path) -> Path:
     """policy -> model/ (LoRA merged, so plain transformers loads it), adapter/ if LoRA,
-    value head / value model -> value/."""
+    value head / value model -> value/ (with a critic)."""
     model_dir = run_path / "model"
     value_dir = run_path / "value"
-    value_dir.mkdir(parents=True, exist_ok=True)
+    if roles.value_mode != "none":
+        value_dir.mkdir(parents=True, exist_ok=True)
     if roles.value_model is not None:
         roles.value_model.save_pretrained(value_dir)
     if roles.value_head is not None:

@@ -1,4 +1,4 @@
-"""Build PPO's roles and reward source from a `PPOConfig`."""
+"""Build an online run's roles, reward source and verifier from its config (PPO, GRPO, RLOO, REINFORCE ...)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import logging
 import torch
 
 from rlhflab import models, rewards
-from rlhflab.config import PPOConfig
+from rlhflab.config import OnlineFields
 from rlhflab.errors import UserInputError
 from rlhflab.rollout import GenerationSettings, generate_answers
 from rlhflab.rollout.roles import PolicyRoles
@@ -19,23 +19,28 @@ from rlhflab.trainers.setup import resolve_device
 log = logging.getLogger("rlhflab")
 
 
-def check_ppo_config(cfg: PPOConfig) -> None:
-    """Refuse combinations that cannot work, before anything is loaded."""
+def check_online_config(cfg: OnlineFields, epochs: int = 1, group: int = 1) -> None:
+    """Refuse combinations that cannot work, before anything is loaded (an algorithm checks its own fields).
+
+    `epochs`: the algorithm's passes over each rollout; `group`: its responses per prompt."""
     if not cfg.model:
         raise UserInputError("no policy given", "--model", "pass the SFT model folder, e.g. runs/demo-.../sft/model")
     positive = {"batch_size": cfg.batch_size, "num_mini_batches": cfg.num_mini_batches,
-                "num_ppo_epochs": cfg.num_ppo_epochs, "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
+                "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
                 "response_length": cfg.response_length, "temperature": cfg.temperature}
     for name, value in positive.items():
         if value <= 0:
             raise UserInputError(f"{name} must be > 0, got {value}", f"--{name}")
-    if cfg.adaptive_kl and (cfg.kl_target <= 0 or cfg.kl_horizon <= 0):
-        raise UserInputError("adaptive_kl needs kl_target > 0 and kl_horizon > 0", "--kl_target / --kl_horizon")
+    if epochs <= 0:
+        raise UserInputError(f"passes over each rollout must be > 0, got {epochs}", "--num_ppo_epochs / --num_iterations")
     if cfg.reward_model and cfg.reward in ("checker", "random"):
         log.warning("reward=%s: --reward_model %s is not used", cfg.reward, cfg.reward_model)
     if cfg.reward in ("checker", "combined") and cfg.train_file and not cfg.verifier.strip():
         log.warning("reward=%s on your own prompts: the suite's checker scores only rows with 'family' and "
                     "'reference' columns", cfg.reward)
+    if group > 1 and cfg.batch_size % group:
+        raise UserInputError(f"batch_size {cfg.batch_size} is not a multiple of num_generations {group}",
+                             "--batch_size / --num_generations", "batch_size counts responses: prompts x num_generations")
     if cfg.total_episodes % cfg.batch_size:
         log.warning("total_episodes %d is not a multiple of batch_size %d: running %d episodes",
                     cfg.total_episodes, cfg.batch_size, cfg.total_episodes // cfg.batch_size * cfg.batch_size)
@@ -46,19 +51,20 @@ def check_ppo_config(cfg: PPOConfig) -> None:
     if cfg.total_episodes < cfg.batch_size:
         raise UserInputError(f"total_episodes {cfg.total_episodes} < batch_size {cfg.batch_size}: no update",
                              "--total_episodes", "raise total_episodes or lower batch_size")
-    if cfg.value_mode == "lora_adapter" and cfg.lora_r <= 0:
-        raise UserInputError("value_mode=lora_adapter needs a LoRA policy", "--value_mode", "set --lora_r 8 (or more)")
+    if cfg.max_seconds < 0:
+        raise UserInputError(f"max_seconds must be >= 0, got {cfg.max_seconds}", "--max_seconds", "0 = no limit")
     if cfg.reward in ("model", "combined") and not cfg.reward_model:
         raise UserInputError(f"reward={cfg.reward} needs a reward model", "--reward_model", "pass a reward model folder")
 
 
-def _lora_targets(cfg: PPOConfig):
+def _lora_targets(cfg: OnlineFields):
     names = cfg.lora_target_modules
     return names if names == "all-linear" else [n.strip() for n in names.split(",") if n.strip()]
 
 
-def build_roles(cfg: PPOConfig) -> tuple[PolicyRoles, object]:
-    """Policy (+ LoRA), reference (copy, reload or adapter-off) and value (shared, separate, adapter).
+def build_roles(cfg: OnlineFields, critic: bool = True) -> tuple[PolicyRoles, object]:
+    """Policy (+ LoRA), reference (copy, reload or adapter-off) and, with a critic, value (shared, separate,
+    adapter: `cfg.value_mode`).
 
     Whatever trains whole weights (a policy without LoRA, a separate value model) is float32 even when
     `dtype` is half, and a full-fine-tuning reference is cast like its policy (models/precision.py)."""
@@ -85,9 +91,12 @@ def build_roles(cfg: PPOConfig) -> tuple[PolicyRoles, object]:
         log.warning("LoRA policy: the reference is the base with the adapter off; --reference is ignored")
     hidden = policy.config.hidden_size
     value_head, value_model = None, None
-    if cfg.value_mode == "shared":
+    value_mode = cfg.value_mode if critic else "none"
+    if value_mode == "none":
+        pass
+    elif value_mode == "shared":
         value_head = models.ValueHead(hidden).to(device)
-    elif cfg.value_mode == "separate":
+    elif value_mode == "separate":
         value_model = models.ValueModel.from_pretrained(cfg.value_model or cfg.model, dtype=cfg.dtype,
                                                         trust_remote_code=cfg.trust_remote_code).to(device)
         value_model = float32_for_training(value_model, f"value model {cfg.value_model or cfg.model}")
@@ -99,14 +108,14 @@ def build_roles(cfg: PPOConfig) -> tuple[PolicyRoles, object]:
         # gradients reach the shared trunk and knocked the demo's validation pass rate from
         # 0.57 to 0.40 in the first 10 updates; with a zero head it rose to 0.60-0.66 instead.
         torch.nn.init.zeros_(value_head.summary.weight)
-    roles = PolicyRoles(policy, value_mode=cfg.value_mode, value_head=value_head, value_model=value_model,
+    roles = PolicyRoles(policy, value_mode=value_mode, value_head=value_head, value_model=value_model,
                         reference=reference, load_reference=load_reference, lora=lora,
                         merge_lora_for_generation=cfg.lora_merge_generation)
     return roles, tokenizer
 
 
 def calibrate_reward_model(learned: rewards.ModelReward, policy, tokenizer, rows: list[PromptRow],
-                           cfg: PPOConfig) -> dict:
+                           cfg: OnlineFields) -> dict:
     """Shift and scale so the starting policy's own answers score mean 0, std 1.
 
     The meaning of kl_coef depends on the reward's scale (FACTS.md: normalising RM scores
@@ -139,7 +148,7 @@ def reward_functions(cfg) -> list[tuple[rewards.FunctionReward, float]]:
     return [(rewards.FunctionReward(rewards.load_function(spec, "--reward_fn")), w) for spec, w in zip(specs, weights)]
 
 
-def reward_kind(cfg: PPOConfig) -> str:
+def reward_kind(cfg: OnlineFields) -> str:
     """`cfg.reward` with "auto" resolved: model and / or functions when given, else the checker."""
     if cfg.reward != "auto":
         return cfg.reward
@@ -148,7 +157,7 @@ def reward_kind(cfg: PPOConfig) -> str:
     return "functions" if cfg.reward_fn.strip() else "checker"
 
 
-def build_reward(cfg: PPOConfig, tokenizer, policy=None, calibration_rows=None) -> tuple[object, dict]:
+def build_reward(cfg: OnlineFields, tokenizer, policy=None, calibration_rows=None) -> tuple[object, dict]:
     """The reward source the config names (`reward`, `reward_model`, `reward_fn`) behind one call,
     and how RM scores were normalised."""
     kind = reward_kind(cfg)
@@ -167,7 +176,7 @@ def build_reward(cfg: PPOConfig, tokenizer, policy=None, calibration_rows=None) 
     return rewards.CombinedReward(parts), norm
 
 
-def learned_reward(cfg: PPOConfig, tokenizer, policy, calibration_rows) -> tuple[rewards.ModelReward, dict]:
+def learned_reward(cfg: OnlineFields, tokenizer, policy, calibration_rows) -> tuple[rewards.ModelReward, dict]:
     """The reward model as a source, normalised on the starting policy's answers when asked."""
     rm_tokenizer = models.load_tokenizer(cfg.reward_model, trust_remote_code=cfg.trust_remote_code)
     rm = models.load_reward_model(cfg.reward_model, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code,

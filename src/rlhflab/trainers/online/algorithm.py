@@ -1,0 +1,83 @@
+"""What an online algorithm hands the loop (trainers/online/loop.py), and what the loop hands back.
+
+The loop samples prompts, generates `samples_per_prompt` responses to each (contiguous in the batch),
+scores them, takes log-probs of the policy and the reference once, then asks the algorithm for
+advantages and, for every micro-batch of every minibatch of every pass, for its loss. An algorithm
+(trainers/ppo.py, grpo.py, rloo.py, reinforce.py) is that small unit: its config, how its advantages
+are formed, its loss, whether it has a critic, and the names its metrics take.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from torch import Tensor
+
+from rlhflab.rollout.rollout import Rollout
+
+
+@dataclass(frozen=True)
+class ScoredRollout:
+    """One rollout with its scores: everything an algorithm's advantages may read."""
+
+    rollout: Rollout
+    scores: Tensor  # (B,) reward of each response, missing-EOS penalty included; 0 where not valid
+    valid: Tensor  # (B,) bool: the reward scored this row (a row it failed on is out of the update)
+    mask: Tensor  # (B, T) bool: response tokens of valid rows
+    kl: Tensor  # (B, T) log pi_old - log pi_ref (k1) on `mask`, 0 elsewhere
+    group_size: int  # responses per prompt, each prompt's group contiguous in the batch
+
+    @property
+    def sequence_kl(self) -> Tensor:
+        """(B,) summed k1 KL of each response: the Monte-Carlo KL(pi || pi_ref) of its sequence."""
+        return self.kl.sum(dim=1)
+
+
+@dataclass(frozen=True)
+class Advantages:
+    advantages: Tensor  # (B, T), 0 outside the mask
+    returns: Tensor | None  # (B, T) value targets; None without a critic
+    metrics: dict  # this update's numbers under the algorithm's metric names (TRL's where TRL has them)
+
+
+@dataclass(frozen=True)
+class StepShare:
+    """What one optimiser step (a minibatch) is made of, so that its micro-batches' losses add up
+    to the minibatch's loss whatever the gradient accumulation (the equivalence tests hold this)."""
+
+    tokens: float  # response tokens in the minibatch
+    rows: int  # responses in the minibatch
+    rollout_tokens: float  # response tokens in the whole rollout
+    response_length: int  # the length cap
+
+
+class Algorithm(Protocol):
+    name: str  # the stage: "ppo", "grpo", "rloo", "reinforce"
+    critic: bool  # whether a value model / head is trained (PPO)
+    samples_per_prompt: int
+    epochs: int  # passes over each rollout
+
+    def advantages(self, batch: ScoredRollout) -> Advantages:
+        """Advantages (and value targets) of a scored rollout; called once per update, before any step."""
+        ...
+
+    def loss(self, logprobs: Tensor, values: Tensor | None, batch: ScoredRollout, adv: Advantages, idx: Tensor,
+             share: StepShare) -> tuple[Tensor, dict]:
+        """Loss of micro-batch `idx` (rows of the rollout), already scaled by its share of the step; the
+        `logprobs` (and `values`) are the current policy's on those rows. Stats: detached scalars."""
+        ...
+
+    def step_metrics(self, stats: dict) -> dict:
+        """The loss stats averaged over an update's steps, under the algorithm's metric names."""
+        ...
+
+    def after_update(self, batch: ScoredRollout) -> None:
+        """State to move once an update is done (PPO's adaptive KL coefficient)."""
+        ...
+
+    def state_dict(self) -> dict:
+        ...
+
+    def load_state_dict(self, state: dict) -> None:
+        ...
