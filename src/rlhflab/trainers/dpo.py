@@ -1,0 +1,323 @@
+"""DPO, IPO and SimPO: the policy trained directly on preference pairs, one explicit loop.
+
+    rlhflab dpo --model runs/demo-.../sft/model                  # the suite's pairs
+    rlhflab dpo --model M --train_file prefs.jsonl --loss_type ipo
+
+Steps (numbered as in README "DPO, IPO and SimPO"):
+  1. policy (+ LoRA) and tokenizer; pairs tokenised with their prompt lengths (trainers/dpo_data.py)
+  2. reference log-probs of every train and validation pair, computed once; the reference is then freed
+     (the starting weights are the policy itself before its first step; SimPO needs none)
+  3. each step: `batch_size` pairs from shuffled passes; summed (DPO) or per-token mean (IPO, SimPO)
+     completion log-probs of chosen and rejected in one forward (trainers/dpo_logps.py); the loss of
+     `loss_type` (rlhflab.core); clipping, AdamW, the LR schedule
+  4. metrics under TRL's names every `log_every` steps; validation pairs' metrics and the verifier's
+     pass rate of greedy answers every `eval_every` steps, at the start and at the end
+  5. checkpoints every `save_every` steps, at the end and on SIGINT / SIGTERM; `--resume` continues bit for bit
+  6. the policy as an ordinary HF folder (LoRA merged; the adapter beside it)
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import math
+import random
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from tqdm.auto import tqdm
+
+from rlhflab import models
+from rlhflab.checkpoint import Checkpointer, open_run
+from rlhflab.config import DPOConfig
+from rlhflab.core import dpo_loss, ipo_loss, simpo_loss
+from rlhflab.errors import UserInputError
+from rlhflab.models.precision import float32_for_training
+from rlhflab.tracking import RunDir, RunResult
+from rlhflab.trainers.dpo_data import DPOData, PreferencePair, load_dpo_data
+from rlhflab.trainers.dpo_logps import SequenceLogps, can_pack, pair_batch, precompute_logps, select, sequence_logps
+from rlhflab.trainers.nonfinite import clip_and_step, guarded_step
+from rlhflab.trainers.setup import configure_threads, make_optimizer, make_scheduler, resolve_device, seed_everything
+from rlhflab.trainers.sft import batch_stream
+from rlhflab.trainers.single_state import pack_single, unpack_single
+from rlhflab.trainers.validation import validate_pass_rate
+
+log = logging.getLogger("rlhflab")
+SAMPLE_ANSWERS = 8  # validation answers written to samples.jsonl at each evaluation
+
+
+# --- the losses: one visible table ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LossType:
+    loss: Callable  # (policy SequenceLogps, reference SequenceLogps | None, cfg) -> (loss, core stats)
+    averaged: bool  # per-token mean log-probs (IPO, SimPO as TRL) or summed (DPO)
+    reference: bool  # needs reference log-probs
+
+
+LOSS_TYPES: dict[str, LossType] = {
+    "sigmoid": LossType(lambda p, r, cfg: dpo_loss(p.chosen, p.rejected, r.chosen, r.rejected, cfg.beta,
+                                                   cfg.label_smoothing), averaged=False, reference=True),
+    "ipo": LossType(lambda p, r, cfg: ipo_loss(p.chosen, p.rejected, r.chosen, r.rejected, cfg.beta),
+                    averaged=True, reference=True),
+    "simpo": LossType(lambda p, r, cfg: simpo_loss(p.chosen, p.rejected, cfg.beta, cfg.simpo_gamma),
+                      averaged=True, reference=False),
+}
+TRL_NAMES = {"chosen_rewards": "rewards/chosen", "rejected_rewards": "rewards/rejected",
+             "reward_accuracy": "rewards/accuracies", "reward_margin": "rewards/margins"}
+
+
+def preference_loss(cfg: DPOConfig, policy: SequenceLogps, reference: SequenceLogps | None):
+    """The loss of `cfg.loss_type` on summed log-probs (averaged here where the loss reads means); stats
+    under TRL's names, with `logps/*` as the loss read them."""
+    kind = LOSS_TYPES[cfg.loss_type]
+    if kind.averaged:
+        policy = policy.averaged()
+        reference = reference.averaged() if reference is not None else None
+    loss, stats = kind.loss(policy, reference, cfg)
+    named = {TRL_NAMES[k]: v.item() for k, v in stats.items()}
+    named["logps/chosen"] = policy.chosen.detach().mean().item()
+    named["logps/rejected"] = policy.rejected.detach().mean().item()
+    return loss, {"loss": loss.item(), **named}
+
+
+# --- setup ---------------------------------------------------------------------------------------
+
+
+def check_dpo_config(cfg: DPOConfig) -> None:
+    """Refuse settings that cannot work, before anything is loaded."""
+    if not cfg.model:
+        raise UserInputError("no policy given", "--model", "pass the SFT model folder, e.g. runs/demo-.../sft/model")
+    positive = {"batch_size": cfg.batch_size, "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
+                "beta": cfg.beta}
+    for name, value in positive.items():
+        if value <= 0:
+            raise UserInputError(f"{name} must be > 0, got {value}", f"--{name}")
+    if cfg.max_steps <= 0 and cfg.num_epochs <= 0 and cfg.max_pairs <= 0:
+        raise UserInputError("no length given: max_steps, num_epochs and max_pairs are all 0", "--num_epochs",
+                             "set --num_epochs 1 (or --max_steps / --max_pairs)")
+    if cfg.gradient_accumulation_steps > cfg.batch_size:
+        raise UserInputError(f"gradient_accumulation_steps {cfg.gradient_accumulation_steps} > batch_size "
+                             f"{cfg.batch_size}: empty micro-batches", "--gradient_accumulation_steps")
+    if not 0.0 <= cfg.label_smoothing < 0.5:
+        raise UserInputError(f"label_smoothing must be in [0, 0.5), got {cfg.label_smoothing}", "--label_smoothing")
+    if cfg.label_smoothing and cfg.loss_type != "sigmoid":
+        raise UserInputError(f"label_smoothing is conservative DPO's: loss_type {cfg.loss_type} has none",
+                             "--label_smoothing", "use --loss_type sigmoid, or drop --label_smoothing")
+    if cfg.reference and not LOSS_TYPES[cfg.loss_type].reference:
+        log.warning("loss_type %s needs no reference: --reference %s is not used", cfg.loss_type, cfg.reference)
+
+
+def build_policy(cfg: DPOConfig):
+    """The policy in float32 (whole weights train; models/precision.py) and its tokenizer; LoRA comes later,
+    after the starting weights gave the reference log-probs."""
+    tokenizer = models.load_tokenizer(cfg.tokenizer or cfg.model, trust_remote_code=cfg.trust_remote_code)
+    policy = models.load_causal_lm(cfg.model, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code,
+                                   device=resolve_device(cfg.device))
+    if cfg.lora_r <= 0:
+        policy = float32_for_training(policy, f"policy {cfg.model}")
+    models.disable_dropout(policy)
+    return policy, tokenizer
+
+
+def add_lora(cfg: DPOConfig, policy):
+    targets = cfg.lora_target_modules
+    targets = targets if targets == "all-linear" else [n.strip() for n in targets.split(",") if n.strip()]
+    policy = models.apply_lora(policy, r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
+                               target_modules=targets)
+    return float32_for_training(policy, f"policy {cfg.model}")  # adapters float32, a half base stays half
+
+
+def reference_logps(cfg: DPOConfig, policy, dpo: DPOData, pad_id: int) -> dict[str, SequenceLogps | None]:
+    """Step 2: summed log-probs of every train and validation pair under the reference, computed once.
+    The starting weights are the policy itself before its first step; another reference is loaded, read
+    and freed. SimPO needs none."""
+    if not LOSS_TYPES[cfg.loss_type].reference:
+        return {"train": None, "validation": None}
+    reference = policy
+    if cfg.reference:
+        reference = models.load_causal_lm(cfg.reference, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code,
+                                          device=resolve_device(cfg.device)).to(policy.dtype)
+        models.disable_dropout(reference)
+    packed = cfg.shared_prefix and can_pack(reference)
+    out = {split: precompute_logps(reference, pairs, pad_id, packed) if pairs else None
+           for split, pairs in (("train", dpo.train), ("validation", dpo.validation))}
+    if reference is not policy:
+        del reference
+        gc.collect()
+    return out
+
+
+# --- one step, one evaluation ------------------------------------------------------------------------
+
+
+def train_step(policy, optimizer, scheduler, pairs: list[PreferencePair], reference: SequenceLogps | None,
+               cfg: DPOConfig, packed: bool, pad_id: int) -> dict:
+    """One optimiser step over `pairs` in gradient_accumulation_steps micro-batches: each micro-batch's
+    mean loss is weighted by its share of the pairs, so the gradient is the whole batch's."""
+    size = math.ceil(len(pairs) / cfg.gradient_accumulation_steps)
+    chunks = [list(range(s, min(s + size, len(pairs)))) for s in range(0, len(pairs), size)]
+    seen: list[SequenceLogps] = []
+    for chunk in chunks:
+        logps = sequence_logps(policy, pair_batch([pairs[i] for i in chunk], pad_id, packed))
+        chunk_reference = select(reference, chunk) if reference is not None else None
+        loss, _ = preference_loss(cfg, logps, chunk_reference)
+        (loss * (len(chunk) / len(pairs))).backward()
+        seen.append(SequenceLogps(*(t.detach() for t in logps)))
+    # the whole batch's loss and metrics from the micro-batches' log-probs (no second forward)
+    with torch.no_grad():
+        _, stats = preference_loss(cfg, SequenceLogps(*(torch.cat(t) for t in zip(*seen))), reference)
+    grad_norm = clip_and_step(optimizer, scheduler, policy.parameters(), cfg.max_grad_norm, stats["loss"],
+                              cfg.nonfinite, "DPO")  # None: a non-finite update was dropped (nonfinite=skip)
+    return {**stats, "grad_norm": math.nan if grad_norm is None else grad_norm.item(), "skipped": grad_norm is None}
+
+
+def evaluate(policy, tokenizer, dpo: DPOData, reference: SequenceLogps | None, cfg: DPOConfig, step: int,
+             run: RunDir, packed: bool) -> dict:
+    """Validation pairs' loss and implicit-reward metrics (`val/...`), and `val/pass_rate` of greedy answers
+    to the validation prompts when there is a verifier."""
+    metrics: dict = {}
+    policy.eval()
+    if dpo.validation:
+        logps = precompute_logps(policy, dpo.validation, tokenizer.pad_token_id, packed)
+        _, stats = preference_loss(cfg, logps, reference)
+        metrics.update({f"val/{k}": v for k, v in stats.items()})
+    if dpo.verifier is not None and dpo.validation_rows:
+        table = validate_pass_rate(policy, tokenizer, dpo.validation_rows, dpo.verifier, cfg, step, run,
+                                   sample_count=SAMPLE_ANSWERS)
+        metrics["val/pass_rate"] = table["overall"]
+    policy.train()
+    if metrics:
+        run.log(metrics, step=step)
+    return metrics
+
+
+# --- the run -------------------------------------------------------------------------------------------
+
+
+def planned_pairs(cfg: DPOConfig, num_train: int) -> tuple[int, int]:
+    """(optimiser steps, pairs trained on): the smallest of max_steps, num_epochs and max_pairs. Each step
+    takes batch_size pairs; the last one fewer when a pair budget ends inside it."""
+    budget = math.inf
+    if cfg.max_pairs > 0:
+        budget = cfg.max_pairs
+    if cfg.max_steps <= 0 and cfg.num_epochs > 0:
+        budget = min(budget, cfg.num_epochs * num_train)
+    steps = math.ceil(budget / cfg.batch_size) if budget < math.inf else cfg.max_steps
+    if cfg.max_steps > 0:
+        steps = min(steps, cfg.max_steps)
+    return steps, int(min(budget, steps * cfg.batch_size))
+
+
+def save_policy(policy, tokenizer, run_path, lora: bool):
+    """model/ as an ordinary HF folder (LoRA merged, so plain transformers loads it); adapter/ with LoRA."""
+    if lora:
+        policy.save_pretrained(str(run_path / "adapter"))
+        policy = policy.merge_and_unload()
+    return models.save_model_folder(run_path / "model", policy, tokenizer)
+
+
+def train(cfg: DPOConfig, run: RunDir | None = None) -> RunResult:
+    """Run DPO / IPO / SimPO as configured; returns the run folder and the HF policy folder it wrote."""
+    started = time.time()
+    check_dpo_config(cfg)
+    configure_threads(cfg.threads)
+    seed_everything(cfg.seed, cfg.deterministic)
+    # 1. policy and pairs, validated and tokenised before the run folder exists
+    policy, tokenizer = build_policy(cfg)
+    pad_id = tokenizer.pad_token_id
+    dpo = load_dpo_data(cfg, tokenizer)
+    # 2. reference log-probs, once (then no reference is resident)
+    references = reference_logps(cfg, policy, dpo, pad_id)
+    if cfg.lora_r > 0:
+        policy = add_lora(cfg, policy)
+    policy.train()
+    packed = cfg.shared_prefix and can_pack(policy)
+    run, resumed = open_run(cfg, "dpo") if run is None else (run, None)
+    total, pair_budget = planned_pairs(cfg, len(dpo.train))
+    optimizer = make_optimizer(policy.parameters(), cfg, fused=True)
+    scheduler = make_scheduler(optimizer, cfg, total)
+    batches = batch_stream([0] * len(dpo.train), cfg.batch_size, 0, random.Random(cfg.seed))  # lengths unused: no grouping
+    log.info("DPO (%s): %d train / %d validation pairs, %d steps x %d pairs%s", cfg.loss_type, len(dpo.train),
+             len(dpo.validation), total, cfg.batch_size, ", shared-prefix rows" if packed else "")
+    walls = {"setup": time.time() - started, "loop": 0.0, "evaluation": 0.0, "save": 0.0}
+    if resumed is None:
+        first = evaluate(policy, tokenizer, dpo, references["validation"], cfg, 0, run, packed)
+        walls["evaluation"] = time.time() - started - walls["setup"]
+        progress = {"step": 0, "pairs_seen": 0, "first": first, "last_eval": first, "last": {}, "skipped": 0,
+                    "loop_seconds": 0.0, "stopped": None}
+    else:  # weights, optimiser, RNGs back; replay the data order of the steps done
+        progress = unpack_single(resumed, policy, optimizer, scheduler)
+        resumed.commit()  # only now cut the histories back, record the resume
+        for _ in range(progress["step"]):
+            next(batches)
+    pairs_before = progress["pairs_seen"]
+    pack = lambda: pack_single(policy, optimizer, scheduler, progress)  # noqa: E731
+    resumed_at = resumed.step if resumed is not None else None  # that checkpoint is on disk already
+    bar = tqdm(range(progress["step"] + 1, total + 1), desc=f"dpo ({cfg.loss_type})", unit="step",
+               disable=not cfg.progress)
+    with Checkpointer(run.path, cfg.save_every, cfg.keep_last_n, resumed_at) as saver:  # SIGINT / SIGTERM handlers
+        for step in bar:
+            t0 = time.time()
+            # 3. the next pairs (shuffled passes over the train pairs) and one optimiser step on them
+            batch_ids = next(batches)[: pair_budget - progress["pairs_seen"]]
+            stats, progress["skipped"] = guarded_step(
+                lambda: train_step(policy, optimizer, scheduler, [dpo.train[i] for i in batch_ids],
+                                   select(references["train"], batch_ids) if references["train"] else None,
+                                   cfg, packed, pad_id),
+                f"DPO step {step}", f"train pairs {batch_ids}", progress["skipped"], cfg.nonfinite)
+            progress["pairs_seen"] += len(batch_ids)
+            progress["step"] = step
+            t1 = time.time()
+            walls["loop"] += t1 - t0
+            # 4. metrics; validation every eval_every steps and at the end (or when the time budget ran out)
+            over_time = cfg.max_seconds > 0 and progress["loop_seconds"] + t1 - t0 >= cfg.max_seconds
+            last_step = step == total or over_time
+            if step % cfg.log_every == 0 or last_step:
+                progress["last"] = {**stats, "lr": scheduler.get_last_lr()[0], "pairs_seen": progress["pairs_seen"],
+                                    "epoch": progress["pairs_seen"] / len(dpo.train), "elapsed_s": time.time() - started}
+                run.log(progress["last"], step=step)
+                bar.set_postfix(loss=f"{stats['loss']:.3f}", acc=f"{stats['rewards/accuracies']:.2f}")
+            if (cfg.eval_every and step % cfg.eval_every == 0) or last_step:
+                progress["last_eval"] = evaluate(policy, tokenizer, dpo, references["validation"], cfg, step, run,
+                                                 packed)
+            t2 = time.time()
+            walls["evaluation"] += t2 - t1
+            progress["loop_seconds"] += t2 - t0
+            if over_time:
+                progress["stopped"] = {"step": step, "reason": f"max_seconds {cfg.max_seconds:g} reached"}
+                bar.close()
+            # 5. checkpoint when due, or when SIGINT / SIGTERM asked (then raises Interrupted)
+            saver.step_done(step, pack)
+            walls["save"] += time.time() - t2
+            if over_time:
+                break
+        t3 = time.time()
+        saver.finish(progress["step"], pack)
+    # 6. the policy as an ordinary HF folder
+    model_dir = save_policy(policy, tokenizer, run.path, cfg.lora_r > 0)
+    walls["save"] += time.time() - t3
+    summary = run.update_summary(**summary_fields(cfg, dpo, progress, walls, started, pairs_before),
+                                 model_dir=str(model_dir))
+    run.close()
+    return RunResult(run.path, summary, model_dir)
+
+
+def summary_fields(cfg: DPOConfig, dpo: DPOData, progress: dict, walls: dict, started: float,
+                   pairs_before: int) -> dict:
+    """summary.json: what ran, how far, the held-out numbers at the start and the end, where the time went."""
+    first, last_eval = progress["first"], progress["last_eval"]
+    held_out = {key: {"start": first.get(f"val/{name}"), "end": last_eval.get(f"val/{name}")}
+                for key, name in (("validation_pass_rate", "pass_rate"), ("validation_accuracy", "rewards/accuracies"),
+                                  ("validation_margin", "rewards/margins"))}
+    return {"stage": "dpo", "loss_type": cfg.loss_type, "beta": cfg.beta, "prompts": dpo.source,
+            "train_pairs": len(dpo.train), "validation_pairs": len(dpo.validation),
+            "verifier": getattr(dpo.verifier, "name", type(dpo.verifier).__name__) if dpo.verifier else None,
+            "steps": progress["step"], "pairs_seen": progress["pairs_seen"], "episodes": progress["pairs_seen"],
+            **held_out, "final": progress["last"], "stopped": progress["stopped"],
+            "pairs_per_s": round((progress["pairs_seen"] - pairs_before) / max(walls["loop"], 1e-9), 1),
+            "wall_time_s": {**{k: round(v, 3) for k, v in walls.items()}, "total": round(time.time() - started, 3)},
+            "nonfinite": {"mode": cfg.nonfinite, "skipped_updates": progress["skipped"]}}
