@@ -35,6 +35,7 @@ stages:
   rm             reward model: Bradley-Terry on (prompt, chosen, rejected) pairs
   rm diagnose    score the policy's own answers: reward of passing vs failing, correlation, AUC
   ppo            PPO-RLHF: policy, reference, reward (checker or model) and value
+  dpo            DPO / IPO / SimPO on preference pairs (the suite's or a file's); reference log-probs once
   tasks export   write the built-in suite as JSONL (sft / pairs / prompts per split)
   report         RUN_DIR -> RUN_DIR/report.html; RUN_A RUN_B ... [--out FILE] -> one page comparing the runs
   sweep          --stage ppo --vary cliprange=0.1,0.2,0.3 [--out DIR]: one run per value, all else fixed,
@@ -170,6 +171,20 @@ def run_ppo(cfg) -> int:
     return 0
 
 
+def run_dpo(cfg) -> int:
+    from rlhflab.trainers import dpo
+
+    result = dpo.train(cfg)
+    summary = result.summary
+    rate, final = summary["validation_pass_rate"], summary["final"]
+    held_out = f"validation pass rate {rate['start']:.1%} -> {rate['end']:.1%}; " if rate["start"] is not None else ""
+    print(f"{held_out}final loss {final['loss']:.3f}, rewards/accuracies {final['rewards/accuracies']:.2f}, "
+          f"rewards/margins {final['rewards/margins']:.2f}; {summary['pairs_per_s']:.0f} pairs/s")
+    print(f"model: {result.model_dir}")
+    print_report(result.run_dir)
+    return 0
+
+
 def run_report(cfg) -> int:
     from rlhflab.report import check_run_folder, write_comparison, write_report
 
@@ -212,6 +227,7 @@ def runs_as_flag(args: list[str]) -> list[str]:
 
 
 COMMANDS = {"demo": run_demo, "sft": run_sft, "eval": run_eval, "ppo": run_ppo, "rm": run_rm, "rm diagnose": run_rm_diagnose,
+            "dpo": run_dpo,
             "tasks export": run_tasks_export, "report": run_report, "sweep": run_sweep}
 
 
