@@ -1,13 +1,14 @@
 """`rlhflab <stage> --config file.yaml --field value`.
 
-Stages: demo, sft, eval, rm, rm diagnose, ppo, tasks export, report, sweep. `rlhflab <stage> --help` lists every
+Stages: demo, sft, eval, rm, rm diagnose, ppo, tasks export, report, sweep, compare. `rlhflab <stage> --help` lists every
 field with its default and help.
 
 Exit codes: 0 done; 2 a user mistake (the message says what, where, what to do); 3 stopped
 by a non-finite loss / gradient / reward (no checkpoint after it); 130 / 143 SIGINT / SIGTERM:
 the current step finished and a checkpoint was written (continue with `--resume latest`);
 4 a second SIGINT / SIGTERM: exited at once, the last complete checkpoint untouched
-(README "Checkpoints and resume").
+(README "Checkpoints and resume"); 1 `rlhflab compare`: a method failed (the others ran; its error is in
+summary.json).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import difflib  # noqa: E402
+import json  # noqa: E402
 import logging  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -40,6 +42,8 @@ stages:
   report         RUN_DIR -> RUN_DIR/report.html; RUN_A RUN_B ... [--out FILE] -> one page comparing the runs
   sweep          --stage ppo --vary cliprange=0.1,0.2,0.3 [--out DIR]: one run per value, all else fixed,
                  then DIR/comparison.html and a table (`rlhflab sweep --help`)
+  compare        --model SFT_DIR --methods ppo,grpo,dpo [--budget episodes=N|seconds=S]: each method from the same
+                 model, prompts, seed and budget; the same test and KL; DIR/report.html side by side
 
 `rlhflab <stage> --help` lists every field with its default and help.
 """
@@ -58,10 +62,10 @@ def print_report(run_dir: Path) -> None:
 
 
 def run_demo(cfg) -> int:
-    from rlhflab.demo import run_demo as demo
+    from rlhflab.compare import format_compare_table, run_demo_with_comparison as demo
     from rlhflab.eval import format_table
 
-    result = demo(cfg)
+    result = demo(cfg)  # the demo, then with --compare the methods compared from its SFT model
     summary = result.summary
     print(format_table(summary["test_tables"], title=f"test pass rate ({summary['decoding']})"))
     if summary.get("test_rm_score"):
@@ -74,6 +78,11 @@ def run_demo(cfg) -> int:
         print(f"reward model: test pairwise accuracy {rm['test_accuracy']:.1%}, margin {rm['margin']:.2f}; on the SFT "
               f"policy's own answers reward passing {rm['mean_reward_passing']:.2f} vs failing "
               f"{rm['mean_reward_failing']:.2f}, correlation with pass/fail {rm['pass_fail_correlation']:.3f}")
+    if summary.get("compare"):
+        compared = result.run_dir / "compare"
+        print(f"\nmethods compared from the SFT model ({compared}):")
+        print(format_compare_table(json.loads((compared / "summary.json").read_text())))
+        print("\n".join(summary["compare"]["verdict"]))
     print(f"\nrun folder: {result.run_dir}   wall time: {summary['wall_time_s']['total']:.0f} s")
     print_report(result.run_dir)
     return 0
@@ -211,6 +220,18 @@ def run_sweep(argv: list[str]) -> int:
     return 3 if any(run.error for run in runs) else 0
 
 
+def run_compare(argv: list[str]) -> int:
+    """`rlhflab compare`: shared flags plus per-method sections of --config, so it parses them itself."""
+    from rlhflab.compare import format_compare_table, parse_compare, run_compare as compare
+
+    plan = parse_compare(argv)  # every method's config built and checked before the first run
+    summary = compare(plan).summary
+    print(format_compare_table(summary))
+    print("\n".join(summary["verdict"]))
+    print(f"\nreport: {plan.out / 'report.html'}   runs: {plan.out}/<method>   summary: {plan.out / 'summary.json'}")
+    return 1 if summary["failed"] else 0
+
+
 def runs_as_flag(args: list[str]) -> list[str]:
     """`report A B --out f` -> `--runs A B --out f`: folders are positional for the user, a field for the parser."""
     if "--runs" in args:
@@ -228,7 +249,8 @@ def runs_as_flag(args: list[str]) -> list[str]:
 
 COMMANDS = {"demo": run_demo, "sft": run_sft, "eval": run_eval, "ppo": run_ppo, "rm": run_rm, "rm diagnose": run_rm_diagnose,
             "dpo": run_dpo,
-            "tasks export": run_tasks_export, "report": run_report, "sweep": run_sweep}
+            "tasks export": run_tasks_export, "report": run_report, "sweep": run_sweep,
+            "compare": run_compare}
 
 
 def split_stage(argv: list[str]) -> tuple[str, list[str]]:
@@ -260,6 +282,8 @@ def main(argv: list[str] | None = None) -> int:
         stage, rest = split_stage(argv)
         if stage == "sweep":  # not one config: a stage's config plus --stage / --vary
             return run_sweep(rest)
+        if stage == "compare":  # one config plus a section per method in --config
+            return run_compare(rest)
         if stage == "report":
             rest = runs_as_flag(rest)
         cfg = parse_config(STAGES[stage], rest, prog=f"rlhflab {stage}")

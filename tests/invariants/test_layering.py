@@ -15,6 +15,7 @@ LAYERS = {
     "eval": 4,
     "report": 5, "demo": 5,
     "sweep": 6,  # runs trainers and writes reports
+    "compare": 6,  # runs trainers, evaluates their models, writes reports (beside sweep)
     "cli": 7,
 }
 

@@ -36,7 +36,7 @@ def png_data_uri(fig: Figure) -> str:
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
-def line_plot(title: str, lines: list[Line], marks: list[float] | None = None) -> str | None:
+def line_plot(title: str, lines: list[Line], marks: list[float] | None = None, xlabel: str = "step") -> str | None:
     """PNG data URI of the lines with vertical alarm marks; None when no line has a finite point."""
     drawn = [line for line in lines if line.series.values]
     if not drawn:
@@ -49,7 +49,7 @@ def line_plot(title: str, lines: list[Line], marks: list[float] | None = None) -
     for i, step in enumerate(marks or []):
         ax.axvline(step, color="#d62728", linestyle="--", linewidth=1, alpha=0.7, label="alarm" if i == 0 else None)
     ax.set_title(title, fontsize=9)
-    ax.set_xlabel("step", fontsize=8)
+    ax.set_xlabel(xlabel, fontsize=8)
     ax.tick_params(labelsize=7)
     ax.grid(alpha=0.3)
     if len(drawn) > 1 or marks:
@@ -57,9 +57,9 @@ def line_plot(title: str, lines: list[Line], marks: list[float] | None = None) -
     return png_data_uri(fig)
 
 
-def panel(title: str, lines: list[Line], marks: list[float] | None = None) -> Markup:
+def panel(title: str, lines: list[Line], marks: list[float] | None = None, xlabel: str = "step") -> Markup:
     """One grid cell: the plot, or 'no finite values' when every point was NaN / inf / missing."""
-    uri = line_plot(title, lines, marks)
+    uri = line_plot(title, lines, marks, xlabel)
     dropped = sum(line.series.dropped for line in lines)
     caption = title + (f" ({dropped} non-finite point(s) dropped)" if dropped else "")
     if uri is None:

@@ -80,4 +80,8 @@ def write_report(run_dir: str | Path, out_path: str | Path | None = None) -> Pat
     Raises UserInputError when `run_dir` is not a run folder.
     """
     run = load_run(run_dir)
+    if run.summary.get("stage") == "compare":  # `rlhflab compare`'s folder: its own page, methods side by side
+        from rlhflab.report.method_compare import render_method_comparison  # it builds on this module
+
+        return write_atomic(Path(out_path) if out_path else run.path / "report.html", render_method_comparison(run))
     return write_atomic(Path(out_path) if out_path else run.path / "report.html", render_report(run))
