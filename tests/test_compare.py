@@ -300,3 +300,34 @@ def test_compare_defaults_are_each_methods_own_defaults():
         own = {f.name: f.default for f in dataclasses.fields(cls)}
         for field, value in compare.shared_values(defaults, method, cls).items():
             assert own[field] == value, (name, field)
+
+
+def test_sweep_runs_a_new_online_stage(setup):
+    folder, config = setup
+    values = yaml.safe_load(config.read_text())
+    base = folder / "grpo_base.yaml"
+    base.write_text(yaml.safe_dump({**{k: v for k, v in values.items() if k in SUITE and k != "kl_samples"},
+                                    "model": values["model"], **SECTIONS["grpo"], "total_episodes": 16}))
+    out = folder / "sweep_beta"
+    code, stdout = run_cli(["sweep", "--stage", "grpo", "--config", str(base), "--vary", "beta=0.0,0.04",
+                            "--out", str(out)])
+    assert code == 0
+    runs = json.loads((out / "sweep.json").read_text())["runs"]
+    assert [r["value"] for r in runs] == ["0.0", "0.04"] and all(r["held_out"] is not None for r in runs)
+    betas = [yaml.safe_load((out / f"beta={v}" / "config.yaml").read_text())["beta"] for v in ("0.0", "0.04")]
+    assert betas == [0.0, 0.04] and (out / "comparison.html").is_file()
+
+
+@pytest.mark.parametrize("stage, field, texts, values, extra", [
+    ("rloo", "num_generations", "2,4", [2, 4], []),
+    ("reinforce", "baseline", "batch_mean,leave_one_out", ["batch_mean", "leave_one_out"], ["--num_generations", "2"]),
+    ("dpo", "loss_type", "sigmoid,ipo", ["sigmoid", "ipo"], []),
+])
+def test_sweep_plans_every_new_stage(setup, stage, field, texts, values, extra):
+    from rlhflab.sweep import plan_sweep
+
+    folder, _ = setup
+    plan = plan_sweep(["--stage", stage, "--vary", f"{field}={texts}", "--model", str(folder / "policy"),
+                       "--batch_size", "8", *extra, "--out", str(folder / f"plan-{stage}")])
+    assert [getattr(c, field) for c in plan.configs] == values
+    assert not (folder / f"plan-{stage}").exists()  # planned only

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import importlib
 import json
 import logging
 import math
@@ -33,21 +34,34 @@ from rlhflab.errors import UserInputError
 from rlhflab.eval import RunMonitor
 from rlhflab.report import is_run_folder, write_comparison, write_report
 from rlhflab.tracking import RUN_MARKERS, default_run_path
-from rlhflab.trainers import ppo, reward, sft
+from rlhflab.trainers import reward, sft
 
 log = logging.getLogger("rlhflab")
 
 WHERE = "rlhflab sweep"
 NOT_VARIED = ("output_dir", "overwrite", "resume")  # where a run goes or starts from, not how it trains
+# the stages run by a module of rlhflab.trainers with its own check_config: the online methods (run with their
+# alarms and stopping rule, as their commands do) and the pair methods
+TRAINER_MODULES = {"ppo": "ppo", "grpo": "grpo", "rloo": "rloo", "reinforce": "reinforce", "dpo": "dpo",
+                   "online-dpo": "online_dpo"}
+
+
+def _saved_policy(s: dict) -> Any:
+    """The saved policy's (after keep_best) held-out number by the verifier; the reward's own mean without one."""
+    return (s.get("validation_pass_rate") or s.get("validation_reward") or {}).get("end")
+
+
 # stage -> (label of its held-out number, how to read it from summary.json)
 HELD_OUT = {
-    # the saved policy's (after keep_best), by the verifier; the reward's own mean when there is none
-    "ppo": ("saved val pass rate",
-            lambda s: (s.get("validation_pass_rate") or s.get("validation_reward") or {}).get("end")),
+    **{stage: ("saved val pass rate", _saved_policy) for stage in ("ppo", "grpo", "rloo", "reinforce", "online-dpo")
+       if stage in STAGES},
+    "dpo": ("final val pass rate", lambda s: (s.get("validation_pass_rate") or {}).get("end")),
     "sft": ("final val pass rate", lambda s: (s.get("validation") or {}).get("val/pass_rate")),
     "rm": ("val pair accuracy", lambda s: ((s.get("pairs") or {}).get("validation") or {}).get("accuracy")),
 }
-USAGE = """rlhflab sweep [--stage ppo|sft|rm] --vary FIELD=V1,V2[,...] [--config BASE.yaml] [--out DIR] [--FIELD VALUE ...]
+USAGE = f"""rlhflab sweep [--stage STAGE] --vary FIELD=V1,V2[,...] [--config BASE.yaml] [--out DIR] [--FIELD VALUE ...]
+
+STAGE: {', '.join(HELD_OUT)} (default ppo).
 
 Runs the stage once per value of FIELD, everything else held fixed, into DIR/FIELD=VALUE/,
 then writes DIR/comparison.html and DIR/sweep.json and prints a table. Flags other than
@@ -137,10 +151,14 @@ def folder_names(field: str, texts: list[str]) -> list[str]:
 
 def check_stage_config(stage: str, cfg: Any) -> None:
     """The checks a stage does before loading anything, done for every value up front."""
-    if stage == "ppo":
-        ppo.check_config(cfg)
+    if stage in TRAINER_MODULES:
+        module = importlib.import_module(f"rlhflab.trainers.{TRAINER_MODULES[stage]}")
+        (getattr(module, "check_config", None) or getattr(module, f"check_{TRAINER_MODULES[stage]}_config"))(cfg)
+    if hasattr(cfg, "stop_on_alarms"):
         RunMonitor.from_config(cfg)  # a bad stop_on_alarms
     for name in ("max_steps", "batch_size", "num_epochs", "total_episodes"):
+        if stage == "dpo" and name == "max_steps":  # 0 = num_epochs decide
+            continue
         if isinstance(getattr(cfg, name, None), int) and getattr(cfg, name) < 1:
             raise UserInputError(f"{name} must be >= 1, got {getattr(cfg, name)}", f"--{name}")
 
@@ -148,7 +166,7 @@ def check_stage_config(stage: str, cfg: Any) -> None:
 def plan_sweep(argv: list[str]) -> SweepPlan:
     """Parse `rlhflab sweep` arguments, parse every value and check every run's config; run nothing."""
     parser = argparse.ArgumentParser(prog=WHERE, usage=USAGE, allow_abbrev=False, add_help=True)
-    parser.add_argument("--stage", default="ppo", help="stage to sweep: ppo (default), sft or rm")
+    parser.add_argument("--stage", default="ppo", help=f"stage to sweep: ppo (default), {', '.join(list(HELD_OUT)[1:])}")
     parser.add_argument("--vary", action="append", default=[], help="FIELD=V1,V2,...: the one field to vary")
     parser.add_argument("--out", "--output_dir", dest="out", default="", help="sweep folder; default runs/sweep-...")
     known, rest = parser.parse_known_args(argv)
@@ -178,9 +196,10 @@ def plan_sweep(argv: list[str]) -> SweepPlan:
 
 
 def train_one(stage: str, cfg: Any):
-    """The stage's trainer, as its own command runs it (PPO with its alarms and stopping rule)."""
-    if stage == "ppo":
-        return ppo.train(cfg, monitor=RunMonitor.from_config(cfg))
+    """The stage's trainer, as its own command runs it (online methods with their alarms and stopping rule)."""
+    if stage in TRAINER_MODULES:
+        train = importlib.import_module(f"rlhflab.trainers.{TRAINER_MODULES[stage]}").train
+        return train(cfg, monitor=RunMonitor.from_config(cfg)) if hasattr(cfg, "stop_on_alarms") else train(cfg)
     return {"sft": sft.train, "rm": reward.train}[stage](cfg)
 
 
