@@ -1,6 +1,6 @@
 """`rlhflab <stage> --config file.yaml --field value`.
 
-Stages: demo, sft, eval, rm, rm diagnose, ppo, tasks export, report, sweep, compare. `rlhflab <stage> --help` lists every
+Stages: demo, sft, eval, rm, rm diagnose, ppo, grpo, rloo, reinforce, tasks export, report, sweep, compare. `rlhflab <stage> --help` lists every
 field with its default and help.
 
 Exit codes: 0 done; 2 a user mistake (the message says what, where, what to do); 3 stopped
@@ -36,7 +36,10 @@ stages:
   eval           generate answers to a split's prompts and check them
   rm             reward model: Bradley-Terry on (prompt, chosen, rejected) pairs
   rm diagnose    score the policy's own answers: reward of passing vs failing, correlation, AUC
-  ppo            PPO-RLHF: policy, reference, reward (checker or model) and value
+  ppo            PPO-RLHF: policy, reference, reward (checker, model or your functions) and value
+  grpo           GRPO: k answers per prompt, group-normalised advantages, no critic (TRL's variants as options)
+  rloo           RLOO: k answers per prompt, leave-one-out baseline, no critic
+  reinforce      REINFORCE with a baseline (batch mean, moving average or leave-one-out), no critic
   dpo            DPO / IPO / SimPO on preference pairs (the suite's or a file's); reference log-probs once
   tasks export   write the built-in suite as JSONL (sft / pairs / prompts per split)
   report         RUN_DIR -> RUN_DIR/report.html; RUN_A RUN_B ... [--out FILE] -> one page comparing the runs
@@ -159,25 +162,42 @@ def run_rm_diagnose(cfg) -> int:
     return 0
 
 
-def run_ppo(cfg) -> int:
-    from rlhflab.eval import RunMonitor
-    from rlhflab.trainers import ppo
+def online_command(stage: str):
+    """`rlhflab ppo | grpo | rloo | reinforce`: one online algorithm through the shared loop, then its report."""
 
-    result = ppo.train(cfg, monitor=RunMonitor.from_config(cfg))  # bad stop_on_alarms fails before any work
-    summary = result.summary
-    rate = summary["validation_pass_rate"]
-    print(f"validation pass rate {rate['start']:.1%} -> {rate['end']:.1%}; final KL {summary['final']['objective/kl']:.2f}"
-          f" nats; {summary['final']['eps']:.0f} episodes/s")
-    for alarm in summary.get("alarms", []):
-        print(f"alarm {alarm['name']} at update {alarm['step']}: {alarm['reason']}")
+    def run(cfg) -> int:
+        import importlib
+
+        from rlhflab.eval import RunMonitor
+
+        trainer = importlib.import_module(f"rlhflab.trainers.{stage}")
+        result = trainer.train(cfg, monitor=RunMonitor.from_config(cfg))  # bad stop_on_alarms fails before any work
+        print(online_result_lines(result.summary))
+        print(f"model: {result.model_dir}")
+        print_report(result.run_dir)
+        return 0
+
+    return run
+
+
+def online_result_lines(summary: dict) -> str:
+    """The held-out start -> end, KL and speed of an online run, its alarms, early stop and restored best."""
+    held_out = summary["held_out"]["metric"]
+    name, fmt = ("validation pass rate", "{:.1%}") if held_out == "val/pass_rate" else ("validation reward", "{:.3f}")
+    numbers = summary.get("validation_pass_rate") or summary.get("validation_reward")
+    final = summary["final"]
+    lines = [f"{name} {fmt.format(numbers['start'])} -> {fmt.format(numbers['end'])}; final KL "
+             f"{final['objective/kl']:.2f} nats; {final['eps'] or 0:.0f} episodes/s"]
+    lines += [f"alarm {a['name']} at update {a['step']}: {a['reason']}" for a in summary.get("alarms", [])]
     if summary.get("stopped"):
-        print(f"stopped early at update {summary['stopped']['step']}: {summary['stopped']['reason']}")
+        lines.append(f"stopped early at update {summary['stopped']['step']}: {summary['stopped']['reason']}")
+    if summary.get("budget_stop"):
+        stop = summary["budget_stop"]
+        lines.append(f"max_seconds {stop['max_seconds']:g} spent at update {stop['step']} (episode {stop['episode']})")
     best = summary.get("best") or {}
     if best.get("restored"):
-        print(f"saved the best policy: update {best['step']}, validation pass rate {best['val/pass_rate']:.1%}")
-    print(f"model: {result.model_dir}")
-    print_report(result.run_dir)
-    return 0
+        lines.append(f"saved the best policy: update {best['step']}, {name} {fmt.format(best[held_out])}")
+    return "\n".join(lines)
 
 
 def run_dpo(cfg) -> int:
@@ -247,7 +267,8 @@ def runs_as_flag(args: list[str]) -> list[str]:
     return (["--runs", *runs] if runs else []) + rest
 
 
-COMMANDS = {"demo": run_demo, "sft": run_sft, "eval": run_eval, "ppo": run_ppo, "rm": run_rm, "rm diagnose": run_rm_diagnose,
+COMMANDS = {"demo": run_demo, "sft": run_sft, "eval": run_eval, "rm": run_rm, "rm diagnose": run_rm_diagnose,
+            **{stage: online_command(stage) for stage in ("ppo", "grpo", "rloo", "reinforce")},
             "dpo": run_dpo,
             "tasks export": run_tasks_export, "report": run_report, "sweep": run_sweep,
             "compare": run_compare}

@@ -89,7 +89,7 @@ def test_grpo_hand_worked():
     want = torch.tensor([-2.0, -1.0, 0.0, 3.0]) / (std + 1e-4)
     got = grpo_advantages(scores, group_size=4)
     torch.testing.assert_close(got, torch.cat([want, torch.zeros(4)]))
-    unscaled = grpo_advantages(scores, group_size=4, scale=False)
+    unscaled = grpo_advantages(scores, group_size=4, scale="none")
     torch.testing.assert_close(unscaled, torch.tensor([-2.0, -1.0, 0.0, 3.0, 0.0, 0.0, 0.0, 0.0]))
 
 

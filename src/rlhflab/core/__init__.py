@@ -6,6 +6,7 @@ from rlhflab.core.advantages import (
     batch_mean_baseline,
     discounted_returns,
     gae,
+    group_std,
     grpo_advantages,
     rloo_advantages,
 )
@@ -13,7 +14,9 @@ from rlhflab.core.kl import KL_ESTIMATORS, AdaptiveKLController, FixedKLControll
 from rlhflab.core.losses import (
     PREFERENCE_LOSSES,
     REFERENCE_FREE,
+    aggregate_token_loss,
     bradley_terry_loss,
+    clipped_ratio_loss,
     clipped_surrogate,
     clipped_value_loss,
     dpo_loss,
@@ -21,6 +24,7 @@ from rlhflab.core.losses import (
     ipo_loss,
     ppo_policy_loss,
     reward_centering_penalty,
+    sequence_log_ratio,
     simpo_loss,
 )
 from rlhflab.core.masked import mask_from_lengths, masked_mean, masked_sum, masked_var, whiten

@@ -77,29 +77,58 @@ def _grouped(scores: Tensor, group_size: int) -> Tensor:
     return scores.view(-1, group_size)
 
 
+def _group_counts(grouped: Tensor) -> Tensor:
+    """(N, G) -> (N, 1) number of scored (non-NaN) samples per group."""
+    return (~torch.isnan(grouped)).sum(dim=1, keepdim=True).to(grouped.dtype)
+
+
 def rloo_advantages(scores: Tensor, group_size: int) -> Tensor:
     """REINFORCE Leave-One-Out (Ahmadian et al. 2024, §3.2; Kool et al. 2019).
 
     scores: (B,) with B = N·G, the G samples of each prompt contiguous -> (B,).
     A_i = s_i − mean_{j≠i} s_j = G/(G−1) · (s_i − mean_j s_j).
+    A NaN score (a response the reward failed on) is left out of its siblings' baselines and gets
+    advantage 0, as does a sample with no scored sibling.
     """
     grouped = _grouped(scores, group_size)  # (N, G)
-    baseline = (grouped.sum(dim=1, keepdim=True) - grouped) / (group_size - 1)
-    return (grouped - baseline).reshape(-1)
+    others = _group_counts(grouped) - 1  # scored siblings of each sample
+    baseline = (grouped.nansum(dim=1, keepdim=True) - grouped) / others.clamp(min=1)
+    advantages = torch.where(others > 0, grouped - baseline, torch.zeros_like(grouped))
+    return torch.nan_to_num(advantages, nan=0.0).reshape(-1)
 
 
-def grpo_advantages(scores: Tensor, group_size: int, eps: float = 1e-4, scale: bool = True) -> Tensor:
+def _nan_std(x: Tensor, dim: int | None = None) -> Tensor:
+    """Unbiased std over non-NaN entries (NaN with fewer than 2), like torch.std where nothing is NaN."""
+    if dim is None:
+        x, dim = x[~torch.isnan(x)], 0
+    count = (~torch.isnan(x)).sum(dim=dim, keepdim=True).to(x.dtype)
+    centred = x - x.nanmean(dim=dim, keepdim=True)
+    variance = torch.nan_to_num(centred**2, nan=0.0).sum(dim=dim, keepdim=True) / (count - 1)
+    return torch.where(count > 1, variance.sqrt(), torch.full_like(variance, float("nan")))
+
+
+def grpo_advantages(scores: Tensor, group_size: int, eps: float = 1e-4, scale: str = "group") -> Tensor:
     """Group-normalised outcome advantages (Shao et al. 2024, DeepSeekMath §4.1.2).
 
-    scores: (B,) grouped as in `rloo_advantages` -> (B,). A_i = (s_i − mean) / (std + eps),
-    std unbiased like TRL's GRPOTrainer. `scale=False` keeps only the mean-centring,
-    as Dr. GRPO recommends (Liu et al. 2025, "Understanding R1-Zero-Like Training", §3.1).
+    scores: (B,) grouped as in `rloo_advantages` -> (B,). A_i = (s_i − mean_group) / (std + eps), std
+    unbiased like TRL's GRPOTrainer: the group's (`scale="group"`), the whole batch's (`"batch"`), or none
+    at all, keeping only the mean-centring as Dr. GRPO recommends (`"none"`; Liu et al. 2025,
+    "Understanding R1-Zero-Like Training", §3.1). NaN scores are left out of the statistics and get 0.
     """
+    if scale not in ("group", "batch", "none"):
+        raise ValueError(f"scale must be group, batch or none, got {scale!r}")
     grouped = _grouped(scores, group_size)  # (N, G)
-    centred = grouped - grouped.mean(dim=1, keepdim=True)
-    if scale:
-        centred = centred / (grouped.std(dim=1, keepdim=True) + eps)
-    return centred.reshape(-1)
+    centred = grouped - grouped.nanmean(dim=1, keepdim=True)
+    if scale == "group":
+        centred = centred / (torch.nan_to_num(_nan_std(grouped, dim=1), nan=0.0) + eps)
+    elif scale == "batch":
+        centred = centred / (torch.nan_to_num(_nan_std(scores), nan=0.0) + eps)
+    return torch.nan_to_num(centred, nan=0.0).reshape(-1)
+
+
+def group_std(scores: Tensor, group_size: int) -> Tensor:
+    """(B,) -> (N,) unbiased std of each group's scored samples (0 with fewer than 2): TRL's reward_std."""
+    return torch.nan_to_num(_nan_std(_grouped(scores, group_size), dim=1), nan=0.0).squeeze(1)
 
 
 GroupAdvantage = Callable[..., Tensor]

@@ -95,6 +95,58 @@ def explained_variance(values: Tensor, returns: Tensor, response_mask: Tensor) -
     return 1.0 - masked_var(returns - values, response_mask) / var_returns
 
 
+# --- critic-free policy gradients (GRPO, RLOO) ---------------------------------------
+
+
+def clipped_ratio_loss(
+    log_ratio: Tensor, advantages: Tensor, epsilon_low: float, epsilon_high: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-element −min(ρA, clip(ρ, 1−ε_low, 1+ε_high)A) with ρ = exp(log_ratio), and where the low / high
+    clip is the active term (ρ < 1−ε_low with A < 0; ρ > 1+ε_high with A > 0), as TRL's GRPO counts them.
+
+    Shapes broadcast: log_ratio (B, T) per token or (B, 1) per sequence (GSPO), advantages (B, 1) or (B, T).
+    ε_high > ε_low is DAPO's clip-higher (Yu et al. 2025, §3.1).
+    """
+    ratio = torch.exp(log_ratio)
+    clipped = torch.clamp(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high)
+    loss = -torch.min(ratio * advantages, clipped * advantages)
+    low = (ratio < 1.0 - epsilon_low) & (advantages < 0)
+    high = (ratio > 1.0 + epsilon_high) & (advantages > 0)
+    return loss, low, high
+
+
+def sequence_log_ratio(logprobs: Tensor, old_logprobs: Tensor, response_mask: Tensor, reduce: str) -> Tensor:
+    """One log-ratio per response, (B, T) -> (B, 1): the token mean (GSPO, Zheng et al. 2025, eq. 7) or the
+    sum, i.e. the log-ratio of the whole sequence's probability (TRL's RLOO)."""
+    summed = _zero_pad(logprobs - old_logprobs, response_mask).sum(dim=1, keepdim=True)
+    if reduce == "sum":
+        return summed
+    if reduce == "mean":
+        return summed / response_mask.sum(dim=1, keepdim=True).clamp(min=1)
+    raise ValueError(f"reduce must be mean or sum, got {reduce!r}")
+
+
+def aggregate_token_loss(per_token: Tensor, response_mask: Tensor, loss_type: str, *, rows: float, tokens: float,
+                         max_length: int) -> Tensor:
+    """Sum a (B, T) per-token loss into a scalar the way GRPO's `loss_type` says, over a step of `rows`
+    responses and `tokens` real tokens (a micro-batch passes its step's totals, so micro-batches add up):
+
+    - grpo: each response's token mean, then the mean over responses (Shao et al. 2024, eq. 3);
+    - bnpo / dapo: the sum over tokens / `tokens` (DAPO's token-level loss, Yu et al. 2025, §3.3: the caller
+      passes the step's tokens for bnpo, the rollout's tokens per step for dapo);
+    - dr_grpo: the sum over tokens / (rows × max_length), a constant (Liu et al. 2025, §3.1).
+    """
+    masked = _zero_pad(per_token, response_mask)
+    if loss_type == "grpo":
+        lengths = response_mask.sum(dim=1).clamp(min=1)
+        return (masked.sum(dim=1) / lengths).sum() / rows
+    if loss_type in ("bnpo", "dapo"):
+        return masked.sum() / tokens
+    if loss_type == "dr_grpo":
+        return masked.sum() / (rows * max_length)
+    raise ValueError(f"unknown loss_type {loss_type!r}")
+
+
 # --- reward model --------------------------------------------------------------
 
 

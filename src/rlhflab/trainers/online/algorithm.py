@@ -50,6 +50,7 @@ class StepShare:
     rows: int  # responses in the minibatch
     rollout_tokens: float  # response tokens in the whole rollout
     response_length: int  # the length cap
+    steps: int  # optimiser steps per pass over the rollout (num_mini_batches)
 
 
 class Algorithm(Protocol):

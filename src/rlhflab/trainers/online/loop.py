@@ -109,7 +109,8 @@ def update_passes(algorithm: Algorithm, roles, optimizer, scheduler, batch: Scor
         for start in range(0, size, mb_size):
             mb_idx = order[start : start + mb_size]
             share = StepShare(tokens=batch.mask[mb_idx].sum().clamp(min=1).item(), rows=len(mb_idx),
-                              rollout_tokens=rollout_tokens, response_length=rollout.response_ids.shape[1])
+                              rollout_tokens=rollout_tokens, response_length=cfg.response_length,
+                              steps=cfg.num_mini_batches)
             mb_history, loss_value, rows = [], 0.0, mb_idx
             for m_start in range(0, mb_size, micro):
                 idx = mb_idx[m_start : m_start + micro]
