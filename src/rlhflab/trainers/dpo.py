@@ -248,7 +248,7 @@ def train(cfg: DPOConfig, run: RunDir | None = None) -> RunResult:
         first = evaluate(policy, tokenizer, dpo, references["validation"], cfg, 0, run, packed)
         walls["evaluation"] = time.time() - started - walls["setup"]
         progress = {"step": 0, "pairs_seen": 0, "first": first, "last_eval": first, "last": {}, "skipped": 0,
-                    "loop_seconds": 0.0, "stopped": None}
+                    "loop_seconds": 0.0, "budget_stop": None}
     else:  # weights, optimiser, RNGs back; replay the data order of the steps done
         progress = unpack_single(resumed, policy, optimizer, scheduler)
         resumed.commit()  # only now cut the histories back, record the resume
@@ -288,7 +288,8 @@ def train(cfg: DPOConfig, run: RunDir | None = None) -> RunResult:
             walls["evaluation"] += t2 - t1
             progress["loop_seconds"] += t2 - t0
             if over_time:
-                progress["stopped"] = {"step": step, "reason": f"max_seconds {cfg.max_seconds:g} reached"}
+                progress["budget_stop"] = {"max_seconds": cfg.max_seconds, "step": step,
+                                           "episode": progress["pairs_seen"]}
                 bar.close()
             # 5. checkpoint when due, or when SIGINT / SIGTERM asked (then raises Interrupted)
             saver.step_done(step, pack)
@@ -317,7 +318,7 @@ def summary_fields(cfg: DPOConfig, dpo: DPOData, progress: dict, walls: dict, st
             "train_pairs": len(dpo.train), "validation_pairs": len(dpo.validation),
             "verifier": getattr(dpo.verifier, "name", type(dpo.verifier).__name__) if dpo.verifier else None,
             "steps": progress["step"], "pairs_seen": progress["pairs_seen"], "episodes": progress["pairs_seen"],
-            **held_out, "final": progress["last"], "stopped": progress["stopped"],
+            **held_out, "final": progress["last"], "stopped": None, "budget_stop": progress["budget_stop"],
             "pairs_per_s": round((progress["pairs_seen"] - pairs_before) / max(walls["loop"], 1e-9), 1),
             "wall_time_s": {**{k: round(v, 3) for k, v in walls.items()}, "total": round(time.time() - started, 3)},
             "nonfinite": {"mode": cfg.nonfinite, "skipped_updates": progress["skipped"]}}

@@ -66,10 +66,11 @@ def suite_pair_examples(cfg: DPOConfig, tokenizer) -> tuple[dict[str, list[data.
     return pairs, prompts
 
 
-def held_out_prompts(examples: list[data.PairExample], wanted: int, seed: int) -> set[str]:
-    """A seeded set of min(wanted, 10 %) distinct prompts whose pairs become validation pairs."""
+def held_out_prompts(examples: list[data.PairExample], seed: int) -> set[str]:
+    """A seeded 10 % of the distinct prompts, whose pairs become validation pairs (the first `eval_prompts`
+    of them are answered for the pass rate)."""
     distinct = sorted({p.prompt for p in examples})
-    size = min(wanted, len(distinct) // 10)
+    size = len(distinct) // 10
     if size < MIN_HELD_OUT:
         log.warning("no --validation_file and only %d distinct prompts: no validation pairs", len(distinct))
         return set()
@@ -90,7 +91,7 @@ def file_pair_examples(cfg: DPOConfig, tokenizer) -> tuple[dict[str, list[data.P
         rows = sources.file_prompts(cfg.validation_file, tokenizer, max_prompt_tokens=cfg.max_prompt_tokens,
                                     strict=cfg.strict, config=cfg.dataset_config or None)
     else:
-        held = held_out_prompts(train, cfg.eval_prompts, cfg.seed)
+        held = held_out_prompts(train, cfg.seed)
         train, validation = [p for p in train if p.prompt not in held], [p for p in train if p.prompt in held]
         every = sources.file_prompts(cfg.train_file, tokenizer, max_prompt_tokens=cfg.max_prompt_tokens,
                                      strict=cfg.strict, split=cfg.dataset_split or None,
