@@ -463,6 +463,8 @@ class DPOConfig(CheckpointFields, RunFields, ModelFields, SuiteFields, DataField
     batch_size: int = arg(32, "pairs per optimiser step (split over gradient_accumulation_steps)")
     shared_prefix: bool = arg(True, "run a pair's chosen and rejected in one row that computes their shared prompt "
                                     "once (Llama / Qwen2 layouts; the same log-probs, fewer tokens)")
+    length_chunks: int = arg(0, "forward passes per micro-batch over its pairs sorted by length (less padding, the "
+                                "same loss and gradient); 0 = one per 16 pairs")
     eval_every: int = arg(20, "validation pairs' metrics and pass rate every N steps; 0 = start and end only")
     eval_prompts: int = arg(100, "validation prompts answered for val/pass_rate")
     verifier: str = arg("", "pass / fail function FILE.py:NAME for val/pass_rate, called as fn(prompts, completions, "

@@ -184,7 +184,7 @@ def test_precomputed_reference_equals_a_resident_reference_and_is_not_kept(suite
     assert precomputed["validation"].chosen.shape == (len(pairs.validation),)
 
 
-def test_gradient_accumulation_gives_the_gradient_of_one_big_batch(suite_dir, monkeypatch):
+def test_gradient_accumulation_and_length_chunks_give_the_gradient_of_one_big_batch(suite_dir, monkeypatch):
     captured = []
 
     def capture(optimizer, scheduler, params, max_grad_norm, loss, mode, stage):
@@ -193,8 +193,8 @@ def test_gradient_accumulation_gives_the_gradient_of_one_big_batch(suite_dir, mo
         return torch.tensor(0.0)
 
     monkeypatch.setattr(dpo, "clip_and_step", capture)
-    for steps in (1, 3):
-        cfg = tiny_cfg(suite_dir, gradient_accumulation_steps=steps)
+    for steps, chunks in ((1, 1), (3, 1), (1, 3), (2, 2)):
+        cfg = tiny_cfg(suite_dir, gradient_accumulation_steps=steps, length_chunks=chunks)
         policy, tokenizer = dpo.build_policy(cfg)
         pairs = load_dpo_data(cfg, tokenizer)
         reference = dpo.reference_logps(cfg, policy, pairs, tokenizer.pad_token_id)["train"]
@@ -205,11 +205,12 @@ def test_gradient_accumulation_gives_the_gradient_of_one_big_batch(suite_dir, mo
         ids = list(range(8))
         dpo.train_step(policy, optimizer, None, [pairs.train[i] for i in ids], select(reference, ids), cfg, True,
                        tokenizer.pad_token_id)
-    (one, loss_one), (three, loss_three) = captured
-    assert loss_one == pytest.approx(loss_three, abs=1e-6)
+    (one, loss_one), *others = captured
     assert any(g.abs().sum() > 0 for g in one)
-    for a, b in zip(one, three):
-        assert torch.allclose(a, b, atol=1e-6)
+    for grads, loss in others:
+        assert loss == pytest.approx(loss_one, abs=1e-6)
+        for a, b in zip(one, grads):
+            assert torch.allclose(a, b, atol=1e-6)
 
 
 @pytest.mark.parametrize("overrides,expected", [

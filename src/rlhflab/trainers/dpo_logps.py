@@ -11,6 +11,7 @@ output at t - 1, in float32), and the LM head runs on completion positions only.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -137,13 +138,33 @@ def sequence_logps(model: torch.nn.Module, batch: PairBatch) -> SequenceLogps:
     return SequenceLogps(sums[:n], sums[n:], counts[:n], counts[n:])
 
 
+def row_length(pair: PreferencePair, packed: bool) -> int:
+    """Tokens of the pair's longest row: its packed row, or the longer of its two sequences."""
+    return models.packed_length(pair.chosen, pair.rejected) if packed else max(len(pair.chosen), len(pair.rejected))
+
+
+def chunked_logps(model: torch.nn.Module, pairs: list[PreferencePair], pad_id: int, packed: bool,
+                  chunks: int) -> SequenceLogps:
+    """`sequence_logps` of `pairs`, (B,) each in their order, from `chunks` forward passes over the pairs sorted
+    by length, each padded only to its own longest row. On the suite a batch of 32 packed rows is ~46 % padding
+    in one pass and ~29 % in two; one backward still runs through all of them."""
+    if chunks <= 1:
+        return sequence_logps(model, pair_batch(pairs, pad_id, packed))
+    order = sorted(range(len(pairs)), key=lambda i: row_length(pairs[i], packed))
+    size = math.ceil(len(pairs) / chunks)
+    parts = [sequence_logps(model, pair_batch([pairs[i] for i in order[s : s + size]], pad_id, packed))
+             for s in range(0, len(order), size)]
+    inverse = torch.argsort(torch.tensor(order, device=parts[0].chosen.device))
+    return SequenceLogps(*(torch.cat(field)[inverse] for field in zip(*parts)))
+
+
 @torch.no_grad()
 def precompute_logps(model: torch.nn.Module, pairs: list[PreferencePair], pad_id: int, packed: bool,
                      batch_size: int = 64) -> SequenceLogps:
     """Summed log-probs of every pair, (N,) each, in batches of pairs sorted by length (less padding)."""
     was_training = model.training
     model.eval()
-    order = sorted(range(len(pairs)), key=lambda i: len(pairs[i].chosen) + len(pairs[i].rejected))
+    order = sorted(range(len(pairs)), key=lambda i: row_length(pairs[i], packed))
     parts = [sequence_logps(model, pair_batch([pairs[i] for i in order[s : s + batch_size]], pad_id, packed))
              for s in range(0, len(order), batch_size)]
     model.train(was_training)
