@@ -1,6 +1,6 @@
 """`rlhflab <stage> --config file.yaml --field value`.
 
-Stages: demo, sft, eval, rm, rm diagnose, ppo, grpo, rloo, reinforce, tasks export, report, sweep, compare. `rlhflab <stage> --help` lists every
+Stages: demo, sft, eval, rm, rm diagnose, ppo, grpo, rloo, reinforce, online-dpo, dpo, compare, tasks export, report, sweep. `rlhflab <stage> --help` lists every
 field with its default and help.
 
 Exit codes: 0 done; 2 a user mistake (the message says what, where, what to do); 3 stopped
@@ -40,6 +40,7 @@ stages:
   grpo           GRPO: k answers per prompt, group-normalised advantages, no critic (TRL's variants as options)
   rloo           RLOO: k answers per prompt, leave-one-out baseline, no critic
   reinforce      REINFORCE with a baseline (batch mean, moving average or leave-one-out), no critic
+  online-dpo     on-policy DPO: k answers per prompt ranked by the reward, best vs worst, repeated
   dpo            DPO / IPO / SimPO on preference pairs (the suite's or a file's); reference log-probs once
   tasks export   write the built-in suite as JSONL (sft / pairs / prompts per split)
   report         RUN_DIR -> RUN_DIR/report.html; RUN_A RUN_B ... [--out FILE] -> one page comparing the runs
@@ -163,14 +164,14 @@ def run_rm_diagnose(cfg) -> int:
 
 
 def online_command(stage: str):
-    """`rlhflab ppo | grpo | rloo | reinforce`: one online algorithm through the shared loop, then its report."""
+    """`rlhflab ppo | grpo | rloo | reinforce | online-dpo`: one online algorithm through the shared loop, then its report."""
 
     def run(cfg) -> int:
         import importlib
 
         from rlhflab.eval import RunMonitor
 
-        trainer = importlib.import_module(f"rlhflab.trainers.{stage}")
+        trainer = importlib.import_module(f"rlhflab.trainers.{stage.replace('-', '_')}")
         result = trainer.train(cfg, monitor=RunMonitor.from_config(cfg))  # bad stop_on_alarms fails before any work
         print(online_result_lines(result.summary))
         print(f"model: {result.model_dir}")
@@ -268,7 +269,7 @@ def runs_as_flag(args: list[str]) -> list[str]:
 
 
 COMMANDS = {"demo": run_demo, "sft": run_sft, "eval": run_eval, "rm": run_rm, "rm diagnose": run_rm_diagnose,
-            **{stage: online_command(stage) for stage in ("ppo", "grpo", "rloo", "reinforce")},
+            **{stage: online_command(stage) for stage in ("ppo", "grpo", "rloo", "reinforce", "online-dpo")},
             "dpo": run_dpo,
             "tasks export": run_tasks_export, "report": run_report, "sweep": run_sweep,
             "compare": run_compare}

@@ -366,6 +366,19 @@ class REINFORCEConfig(OnlineFields):
 
 
 @dataclass(frozen=True)
+class OnlineDPOConfig(OnlineFields):
+    """`rlhflab online-dpo`: iterative on-policy DPO (Guo et al. 2024): sample k answers per prompt from the
+    current policy, rank them with the reward (model, functions or the checker), train on best vs worst."""
+
+    num_generations: int = arg(4, "answers sampled per prompt; the best and the worst make one pair")
+    num_iterations: int = arg(1, "passes over each rollout's pairs")
+    beta: float = arg(0.1, "DPO beta: strength of the pull towards the reference")
+    loss_type: Literal["sigmoid", "ipo"] = arg("sigmoid", "sigmoid = DPO (summed log-probs), ipo = IPO (length-averaged)")
+    label_smoothing: float = arg(0.0, "cDPO: assumed share of flipped preferences (sigmoid only)")
+    learning_rate: float = arg(5e-5, "peak AdamW learning rate")
+
+
+@dataclass(frozen=True)
 class RMConfig(CheckpointFields, RunFields, ModelFields, SuiteFields, DataFields, OptimFields):
     """`rlhflab rm`: a scalar reward model trained on preference pairs with Bradley-Terry."""
 
@@ -535,6 +548,7 @@ STAGES: dict[str, type] = {
     "grpo": GRPOConfig,
     "rloo": RLOOConfig,
     "reinforce": REINFORCEConfig,
+    "online-dpo": OnlineDPOConfig,
     "rm": RMConfig,
     "rm diagnose": RMDiagnoseConfig,
     "dpo": DPOConfig,

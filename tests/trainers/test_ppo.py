@@ -151,7 +151,7 @@ def test_post_eos_tokens_carry_no_reward_kl_or_loss(policy_dir):
         values=torch.where(mask, rollout.values, torch.tensor(1e9)))
     idx = torch.arange(8)
     share = StepShare(tokens=mask.sum().item(), rows=8, rollout_tokens=mask.sum().item(), response_length=mask.shape[1],
-                      steps=1)
+                      steps=1, index=idx)
     algorithm = ppo.PPO(cfg)
     loss_a, _ = micro_losses(algorithm, roles, scored(clean), Advantages(advantages, returns, {}), idx, share,
                              cfg.temperature)

@@ -29,6 +29,7 @@ from rlhflab.trainers.online.setup import check_online_config
 class GRPO:
     name = "grpo"
     critic = False
+    whole_groups = False
 
     def __init__(self, cfg: GRPOConfig):
         check_group(cfg)

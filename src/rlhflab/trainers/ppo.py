@@ -55,6 +55,7 @@ STEP_NAMES = {"loss/policy": "loss/policy_avg", "loss/value": "loss/value_avg", 
 class PPO:
     name = "ppo"
     critic = True
+    whole_groups = False
     samples_per_prompt = 1
 
     def __init__(self, cfg: PPOConfig):

@@ -28,6 +28,7 @@ from rlhflab.trainers.ppo import token_rewards
 class REINFORCE:
     name = "reinforce"
     critic = False
+    whole_groups = False
     epochs = 1  # on-policy: a second pass would need a ratio clip, i.e. PPO
 
     def __init__(self, cfg: REINFORCEConfig):

@@ -28,6 +28,7 @@ from rlhflab.trainers.online.setup import check_online_config
 class RLOO:
     name = "rloo"
     critic = False
+    whole_groups = False
 
     def __init__(self, cfg: RLOOConfig):
         check_group(cfg)

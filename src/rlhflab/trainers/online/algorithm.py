@@ -51,6 +51,7 @@ class StepShare:
     rollout_tokens: float  # response tokens in the whole rollout
     response_length: int  # the length cap
     steps: int  # optimiser steps per pass over the rollout (num_mini_batches)
+    index: Tensor  # the step's rows of the rollout (the minibatch); a micro-batch is a slice of it
 
 
 class Algorithm(Protocol):
@@ -58,6 +59,7 @@ class Algorithm(Protocol):
     critic: bool  # whether a value model / head is trained (PPO)
     samples_per_prompt: int
     epochs: int  # passes over each rollout
+    whole_groups: bool  # minibatches and micro-batches hold each prompt's samples together (online DPO's pairs)
 
     def advantages(self, batch: ScoredRollout) -> Advantages:
         """Advantages (and value targets) of a scored rollout; called once per update, before any step."""

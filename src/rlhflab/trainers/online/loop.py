@@ -105,12 +105,12 @@ def update_passes(algorithm: Algorithm, roles, optimizer, scheduler, batch: Scor
     # the rollout's forward is the first step's forward only if that step sees every row at the rollout's weights
     reuse = rollout.policy_forward if micro >= size else None
     for _ in range(algorithm.epochs):
-        order = torch.randperm(size, generator=generator)
+        order = shuffled_rows(size, batch.group_size if algorithm.whole_groups else 1, generator)
         for start in range(0, size, mb_size):
             mb_idx = order[start : start + mb_size]
             share = StepShare(tokens=batch.mask[mb_idx].sum().clamp(min=1).item(), rows=len(mb_idx),
                               rollout_tokens=rollout_tokens, response_length=cfg.response_length,
-                              steps=cfg.num_mini_batches)
+                              steps=cfg.num_mini_batches, index=mb_idx)
             mb_history, loss_value, rows = [], 0.0, mb_idx
             for m_start in range(0, mb_size, micro):
                 idx = mb_idx[m_start : m_start + micro]
@@ -134,6 +134,14 @@ def update_passes(algorithm: Algorithm, roles, optimizer, scheduler, batch: Scor
             mb_history[-1]["grad_norm"] = grad_norm.detach()
             history.extend(mb_history)
     return {**average_stats(history), "skipped": skipped}
+
+
+def shuffled_rows(size: int, group: int, generator) -> torch.Tensor:
+    """A random order of the rollout's rows; with group > 1 a random order of whole groups, each contiguous."""
+    if group == 1:
+        return torch.randperm(size, generator=generator)
+    groups = torch.randperm(size // group, generator=generator)
+    return (groups.unsqueeze(1) * group + torch.arange(group)).reshape(-1)
 
 
 def rows_named(rows: list[int], prompt_keys: list[int] | None) -> str:
