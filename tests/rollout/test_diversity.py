@@ -55,3 +55,15 @@ def test_diversity_metrics_names_and_values():
     assert metrics == {"response/capped_share": 0.25, "response/distinct_2": pytest.approx(6 / 14),
                        "response/duplicate_share_batch": 0.5, "response/duplicate_share": 1.0}
     assert "response/duplicate_share" not in diversity_metrics(ids, mask, ended, [1, 2, 3, 4])
+
+
+def test_with_k_samples_per_prompt_the_batch_share_reads_one_sample_per_prompt():
+    ids, mask, ended = batch()
+    # rows (0, 1) answer prompt 7, rows (2, 3) prompt 8: the first samples (rows 0 and 2) are identical
+    metrics = diversity_metrics(ids, mask, ended, [7, 7, 8, 8], group_size=2)
+    assert metrics["response/duplicate_share_batch"] == 1.0
+    assert metrics["response/duplicate_share_group"] == 0.0  # no prompt's two samples repeat each other
+    assert "response/duplicate_share" not in metrics  # each prompt once among the first samples
+    same = torch.tensor([[5, 6, 7, 2, 0]] * 4)
+    metrics = diversity_metrics(same, mask & torch.tensor([True] * 4 + [False]), ended, [7, 7, 8, 8], group_size=2)
+    assert metrics["response/duplicate_share_group"] == 1.0

@@ -62,19 +62,27 @@ def duplicate_share(responses: Sequence[tuple[int, ...]], groups: Sequence[Hasha
 
 
 def diversity_metrics(response_ids: Tensor, response_mask: Tensor, ended_with_eos: Tensor,
-                      prompt_keys: Sequence[Hashable]) -> dict[str, float]:
+                      prompt_keys: Sequence[Hashable], group_size: int = 1) -> dict[str, float]:
     """The `response/*` diversity metrics of one rollout (README "Metrics").
 
     `prompt_keys[b]` identifies row b's prompt; `response/duplicate_share` (same
     prompt) is left out when no prompt occurs twice in the batch.
+    With `group_size` k > 1 (GRPO, RLOO ...: k samples of each prompt, contiguous) the batch share
+    reads the first sample of each prompt, so it means what it means for PPO, and the share of a
+    prompt's samples that repeat each other is `response/duplicate_share_group`: on a task with one
+    right answer a confident policy drives it to 1, which is success there, so no alarm reads it.
     """
     responses = response_tokens(response_ids, response_mask)
+    firsts = responses[::group_size]
     metrics = {
         "response/capped_share": capped_share(ended_with_eos),
         "response/distinct_2": distinct_n(responses, 2),
-        "response/duplicate_share_batch": duplicate_share(responses),
+        "response/duplicate_share_batch": duplicate_share(firsts),
     }
-    same_prompt = duplicate_share(responses, prompt_keys)
+    same_prompt = duplicate_share(responses if group_size == 1 else firsts, list(prompt_keys)[::group_size])
     if same_prompt is not None:
         metrics["response/duplicate_share"] = same_prompt
+    if group_size > 1:
+        metrics["response/duplicate_share_group"] = duplicate_share(responses, [b // group_size for b in
+                                                                                range(len(responses))])
     return metrics

@@ -179,7 +179,7 @@ def rollout_metrics(batch: ScoredRollout, prompt_keys: list[int]) -> dict:
         "val/num_eos_tokens": int(rollout.ended_with_eos.sum().item()),
         "response/length_mean": lengths.mean().item(),
         "reward/invalid_rows": int((~valid).sum().item()),
-        **diversity_metrics(rollout.response_ids, mask, rollout.ended_with_eos, prompt_keys),
+        **diversity_metrics(rollout.response_ids, mask, rollout.ended_with_eos, prompt_keys, batch.group_size),
     }
 
 
