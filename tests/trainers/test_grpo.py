@@ -163,12 +163,12 @@ def test_kl_term_on_the_model_no_gradient_at_the_reference_and_a_step_towards_it
 
 
 def test_a_short_run_on_an_easy_reward_clearly_raises_it(policy_dir, tmp_path):
-    cfg = grpo_cfg(policy_dir, batch_size=16, total_episodes=16 * 16, learning_rate=3e-2, beta=0.0,
+    cfg = grpo_cfg(policy_dir, batch_size=16, total_episodes=16 * 20, learning_rate=3e-2, beta=0.0,
                    missing_eos_penalty=0.0, output_dir=str(tmp_path / "run"))
     scores = [r["objective/scores"] for r in update_rows(grpo.train(cfg, reward_fn=digit_share).run_dir)]
-    assert len(scores) == 16
+    assert len(scores) == 20
     start, end = sum(scores[:3]) / 3, sum(scores[-3:]) / 3
-    # measured over seeds 0, 1, 2: start 0.03, end 0.77-0.95
+    # measured over seeds 0-5: start 0.03-0.07, end 0.79-0.99 (margin +0.76 to +0.96); this seed (0): +0.94
     assert end > start + 0.5, (start, end)
 
 

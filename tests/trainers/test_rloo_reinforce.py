@@ -75,7 +75,7 @@ def test_rloo_short_run_on_an_easy_reward_clearly_raises_it(policy_dir, tmp_path
     scores = [r["objective/scores"] for r in update_rows(rloo.train(cfg, reward_fn=digit_share).run_dir)]
     assert len(scores) == 16
     start, end = sum(scores[:3]) / 3, sum(scores[-3:]) / 3
-    assert end > start + 0.5, (start, end)  # measured over seeds 0, 1, 2: start 0.03, end 0.93-0.99
+    assert end > start + 0.5, (start, end)  # measured over seeds 0-5: start 0.03-0.07, margin +0.90 to +0.96
 
 
 # --- REINFORCE ----------------------------------------------------------------------------------------------
@@ -135,13 +135,13 @@ def test_reinforce_gradient_accumulation_gives_the_same_weights(policy_dir):
 
 
 def test_reinforce_short_run_on_an_easy_reward_clearly_raises_it(policy_dir, tmp_path):
-    cfg = reinforce_cfg(policy_dir, baseline="moving_average", batch_size=16, total_episodes=16 * 16,
+    cfg = reinforce_cfg(policy_dir, baseline="moving_average", batch_size=16, total_episodes=16 * 20,
                         learning_rate=3e-2, kl_coef=0.0, missing_eos_penalty=0.0, output_dir=str(tmp_path / "run"))
     rows = update_rows(reinforce.train(cfg, reward_fn=digit_share).run_dir)
     scores = [r["objective/scores"] for r in rows]
-    assert len(scores) == 16
+    assert len(scores) == 20
     start, end = sum(scores[:3]) / 3, sum(scores[-3:]) / 3
-    assert end > start + 0.5, (start, end)  # measured over seeds 0, 1, 2: start 0.03, end 0.70-0.91
+    assert end > start + 0.5, (start, end)  # measured over seeds 0-5: start 0.02-0.07, margin +0.72 to +0.95
     assert rows[0]["baseline"] == 0.0 and rows[-1]["baseline"] > start  # the moving baseline followed the reward
 
 
