@@ -87,7 +87,8 @@ def check_masked_garbage_changes_nothing(algorithm_class, cfg, group: int) -> No
     batches = [scored_batch(r, scores, valid, group) for r in (clean, garbage)]
     adv = algorithm_class(cfg).advantages(batches[0])
     noisy = Advantages(torch.where(mask, adv.advantages, torch.tensor(float("inf"))), None, adv.metrics)
-    assert torch.equal(algorithm_class(cfg).advantages(batches[1]).advantages, adv.advantages)  # NaN reached no advantage
+    # the NaN reached no advantage
+    assert torch.equal(algorithm_class(cfg).advantages(batches[1]).advantages, adv.advantages)
     idx = torch.arange(rollout.batch_size)
     share = whole_step(batches[0], cfg)
     results = []

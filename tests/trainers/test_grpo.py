@@ -13,6 +13,7 @@ from tinyhf import save_suite_model
 from rlhflab.cli import main
 from rlhflab.config import GRPOConfig
 from rlhflab.core import kl_k3
+from rlhflab.core.logprobs import selective_log_softmax
 from rlhflab.trainers import grpo
 from rlhflab.trainers.online.algorithm import StepShare
 from rlhflab.trainers.online.loop import scored_batch, update_passes
@@ -152,8 +153,6 @@ def test_kl_term_on_the_model_no_gradient_at_the_reference_and_a_step_towards_it
     # the step went towards the reference: the sequence KL of the same responses fell
     rollout = batch.rollout
     with torch.no_grad():
-        from rlhflab.core.logprobs import selective_log_softmax
-
         logits, _ = roles.logits_and_values(rollout.query_ids, rollout.query_mask, rollout.response_ids,
                                             rollout.response_mask)
         now = selective_log_softmax(logits, rollout.response_ids, cfg.temperature)

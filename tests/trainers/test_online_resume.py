@@ -15,7 +15,9 @@ from rlhflab.config import STAGES, parse_config
 from rlhflab.eval import RunMonitor
 from rlhflab.trainers import grpo, reinforce
 
-REWARD = "def digits(prompts, completions, **columns):\n    return [sum(c.isdigit() for c in t) / max(len(t), 1) for t in completions]\n"
+REWARD = """def digits(prompts, completions, **columns):
+    return [sum(c.isdigit() for c in t) / max(len(t), 1) for t in completions]
+"""
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +78,8 @@ def test_reinforce_moving_baseline_is_checkpointed_and_carried_on_by_a_resume(po
     step3 = complete_checkpoints(reference / "checkpoints")[2]
     _, _, state = load_checkpoint(step3)
     saved = state["algorithm"]["moving_baseline"]
-    assert saved["initialised"] and saved["value"] == pytest.approx(baselines[3], rel=1e-6)  # update 4's (a float32 metric)
+    # it is update 4's baseline (logged as a float32)
+    assert saved["initialised"] and saved["value"] == pytest.approx(baselines[3], rel=1e-6)
     resumed = tmp_path / "resumed"
     shutil.copytree(reference, resumed)
     train([*args(resumed), "--resume", str(resumed / "checkpoints" / step3.name)])
