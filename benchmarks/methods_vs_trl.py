@@ -35,6 +35,7 @@ import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
+import types  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from peak_rss import rss_mib  # noqa: E402
@@ -135,12 +136,17 @@ def rlhflab_child(spec: dict) -> None:
     before = rss_mib()
     cfg = rlhflab_config(method, s, spec)
     trainer = importlib.import_module(f"rlhflab.trainers.{method}")
+    cpu_clock = spec.get("clock") == "cpu"
+    if cpu_clock:  # the trainers' own clocks read this process's CPU time: summary wall_time_s in CPU seconds
+        for name in ("rlhflab.trainers.online.loop", "rlhflab.trainers.dpo"):
+            importlib.import_module(name).time = types.SimpleNamespace(time=time.process_time)
     started = time.time()
     result = trainer.train(cfg)
     total = time.time() - started
     walls = result.summary["wall_time_s"]
     rows = [json.loads(line) for line in (Path(result.run_dir) / "metrics.jsonl").read_text().splitlines()]
-    out = {"library": "rlhflab", "seconds": walls["loop"], "setup_seconds": walls["setup"],
+    seconds = {"cpu_seconds": walls["loop"]} if cpu_clock else {"seconds": walls["loop"]}
+    out = {"library": "rlhflab", **seconds, "setup_seconds": walls["setup"],
            "train_call_seconds": total, "wall_time_s": walls, "peak_rss_mib": rss_mib(),
            "rss_before_models_mib": before, "threads": torch.get_num_threads(),
            "loadavg_1min_after": os.getloadavg()[0]}
@@ -165,11 +171,11 @@ def run_child(variant: str, method: str, files: dict, threads: int, seed: int, o
         settings["max_steps"] = settings["rollouts"] * settings["num_iterations"]
     spec = {"method": method, "model": str(files["model"]), "data": str(files["pairs" if method == "dpo" else "prompts"]),
             "settings": settings, "threads": threads, "seed": seed, "out": str(out), "rlhflab_src": str(SRC),
-            "trl_options": VARIANTS[method].get(variant, {})}
+            "trl_options": VARIANTS[method].get(variant, {}), "clock": "cpu" if variant == "rlhflab_cpu" else "wall"}
     out.mkdir(parents=True, exist_ok=True)
     spec_file = out / "spec.json"
     spec_file.write_text(json.dumps(spec))
-    if variant == "rlhflab":
+    if variant.startswith("rlhflab"):
         cmd = [sys.executable, __file__, "--child", str(spec_file)]
     else:
         cmd = [str(TRL_PYTHON), str(HERE / "trl116_child.py"), "--spec", str(spec_file)]
@@ -192,20 +198,31 @@ def summary_line(r: dict, method: str) -> str:
     if "failed" in r:
         return f"FAILED: {r['failed']}"
     unit = "pairs" if method == "dpo" else "completions"
-    line = f"{work(r, method) / r['seconds']:6.1f} {unit}/s ({work(r, method)} in {r['seconds']:.1f} s)"
+    n = work(r, method)
+    clocks = [f"{n / r[k]:6.1f} {unit}/{name} ({n} in {r[k]:.1f} {name})"
+              for k, name in (("seconds", "s"), ("cpu_seconds", "CPU-s")) if r.get(k)]
+    line = ", ".join(clocks)
     if method != "dpo":
-        line += (f", {r['completion_tokens'] / r['seconds']:6.0f} tokens/s, mean length "
-                 f"{r['completion_tokens'] / r['completions']:.1f}, generation {r['generation_seconds']:.1f} s")
-    return line + f", setup {r['setup_seconds']:.1f} s, {r['peak_rss_mib']:.0f} MiB"
+        line += f", mean length {r['completion_tokens'] / r['completions']:.1f}"
+        if r.get("seconds"):
+            line += f", generation {r['generation_seconds']:.1f} s"
+    return line + f", setup {r['setup_seconds']:.1f} s, {r['peak_rss_mib']:.0f} MiB, load {r['loadavg_1min_after']:.1f}"
+
+
+def variants(method: str, threads: int) -> tuple[str, ...]:
+    """The runs of one repeat. At 1 thread rlhflab also runs with its trainer's clock on CPU time
+    (TRL's CPU time is measured in every run): CPU seconds barely move when other processes share
+    the cores, wall seconds do."""
+    return ("rlhflab", *(("rlhflab_cpu",) if threads == 1 else ()), *VARIANTS[method])
 
 
 def benchmark(files: dict, methods: list[str], threads_list: list[int], repeats: int, run_root: Path) -> list[dict]:
-    """rlhflab, TRL (, TRL variant), rlhflab, TRL, ...: every repeat runs each variant once."""
+    """rlhflab, (rlhflab on CPU time,) TRL (, TRL variant), rlhflab, ...: every repeat runs each variant once."""
     results = []
     for method in methods:
         for threads in threads_list:
             for repeat in range(repeats):
-                for variant in ("rlhflab", *VARIANTS[method]):
+                for variant in variants(method, threads):
                     out = run_root / f"{method}-t{threads}-r{repeat}-{variant}"
                     r = run_child(variant, method, files, threads, seed=repeat, out=out)
                     r |= {"method": method, "threads_asked": threads, "repeat": repeat}
@@ -217,30 +234,36 @@ def benchmark(files: dict, methods: list[str], threads_list: list[int], repeats:
 # --- the table --------------------------------------------------------------------------------
 
 
-COLUMNS = ["method", "threads", "rlhflab /s", "TRL /s", "x TRL", "tok/s rlhflab", "tok/s TRL", "len rlhflab",
-           "len TRL", "gen s rlhflab", "gen s TRL", "setup s rlhflab", "setup s TRL", "RSS rlhflab", "RSS TRL"]
+COLUMNS = ["method", "threads", "rlhflab /s", "TRL /s", "x TRL", "rlhflab /CPU-s", "TRL /CPU-s", "x TRL (CPU)",
+           "len rlhflab", "len TRL", "gen s rlhflab", "gen s TRL", "setup s rlhflab", "setup s TRL", "RSS rlhflab",
+           "RSS TRL", "load"]
 
 
 def table_rows(results: list[dict], method: str, threads: int) -> list[list[str]]:
     """One row per TRL variant: medians of the repeats; x TRL = rlhflab / TRL throughput."""
     runs = lambda v: [r for r in results if (r["method"], r["threads_asked"], r["variant"]) == (method, threads, v)]  # noqa: E731
-    ours = runs("rlhflab")
-    rate = lambda rs: median_of(rs, lambda r: work(r, method) / r["seconds"])  # noqa: E731
+    ours, ours_cpu = runs("rlhflab"), runs("rlhflab_cpu")
     online = method != "dpo"
-    tok = lambda rs: median_of(rs, lambda r: r["completion_tokens"] / r["seconds"]) if online else None  # noqa: E731
+    rate = lambda rs, clock="seconds": median_of(rs, lambda r: work(r, method) / r[clock] if r.get(clock) else None)  # noqa: E731
     length = lambda rs: median_of(rs, lambda r: r["completion_tokens"] / r["completions"]) if online else None  # noqa: E731
     gen = lambda rs: median_of(rs, lambda r: r["generation_seconds"]) if online else None  # noqa: E731
     setup = lambda rs: median_of(rs, lambda r: r["setup_seconds"])  # noqa: E731
     rss = lambda rs: median_of(rs, lambda r: r["peak_rss_mib"])  # noqa: E731
+    load = median_of([r for r in results if (r["method"], r["threads_asked"]) == (method, threads)],
+                     lambda r: r["loadavg_1min_after"])
     rows = []
     for variant in VARIANTS[method]:
         theirs = runs(variant)
         name = method if variant == "trl" else f"{method} ({variant.removeprefix('trl_')})"
+        cpu = threads == 1
         rows.append([name, str(threads), cell(rate(ours), ".1f"), cell(rate(theirs), ".1f"),
-                     ratio(rate(ours), rate(theirs)), cell(tok(ours), ".0f"), cell(tok(theirs), ".0f"),
+                     ratio(rate(ours), rate(theirs)),
+                     cell(rate(ours_cpu, "cpu_seconds") if cpu else None, ".1f"),
+                     cell(rate(theirs, "cpu_seconds") if cpu else None, ".1f"),
+                     ratio(rate(ours_cpu, "cpu_seconds"), rate(theirs, "cpu_seconds")) if cpu else "-",
                      cell(length(ours), ".1f"), cell(length(theirs), ".1f"), cell(gen(ours), ".1f"),
                      cell(gen(theirs), ".1f"), cell(setup(ours), ".1f"), cell(setup(theirs), ".1f"),
-                     cell(rss(ours), ".0f"), cell(rss(theirs), ".0f")])
+                     cell(rss(ours), ".0f"), cell(rss(theirs), ".0f"), cell(load, ".1f")])
     return rows
 
 
@@ -248,10 +271,11 @@ def results_table(results: list[dict]) -> str:
     keys = dict.fromkeys((r["method"], r["threads_asked"]) for r in results)
     rows = [row for method, threads in keys for row in table_rows(results, method, threads)]
     n = max((r["repeat"] for r in results), default=0) + 1
-    return (markdown_table(COLUMNS, rows) + f"\nmedians of {n} repeat(s); /s = completions (DPO: pairs) per second "
-            "of the training loop; tok/s = completion tokens per second; len = mean completion length in tokens "
-            "(EOS included); gen s = seconds in generation per run; setup s = loading + building (+ rlhflab DPO's "
-            "reference log-probs), not timed; RSS = peak RSS in MiB")
+    return (markdown_table(COLUMNS, rows) + f"\nmedians of {n} repeat(s); /s = completions (DPO: pairs) per wall "
+            "second of the training loop; /CPU-s = per CPU second of this process in the loop (1 thread only); "
+            "len = mean completion length in tokens (EOS included); gen s = seconds in generation per run; setup s "
+            "= loading + building (+ rlhflab DPO's reference log-probs, + TRL DPO's with precompute), not timed; "
+            "RSS = peak RSS in MiB; load = median 1-minute load average after the runs (2 cores)")
 
 
 def machine_lines(threads_list: list[int]) -> list[str]:
@@ -286,10 +310,14 @@ def main() -> None:
     parser.add_argument("--threads", default="1,2", help="thread counts to run, comma-separated")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--sft_steps", type=int, default=600, help="steps of the cached `rlhflab sft` model")
+    parser.add_argument("--table", default=None, help="only print the table of a results.json (of one or more runs)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         rlhflab_child(json.loads(Path(args.child).read_text()))
+        return
+    if args.table:
+        print(results_table([r for f in args.table.split(",") for r in json.loads(Path(f).read_text())]))
         return
     if not TRL_PYTHON.exists():
         raise SystemExit(f"{TRL_PYTHON} not found: run the setup at the top of {__file__}")

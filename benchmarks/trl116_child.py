@@ -6,7 +6,7 @@ The models are ordinary HF folders and the data is a JSONL file written by the r
 (prompts with the suite's `family` / `reference` / `content` columns, or preference pairs).
 The reward of GRPO and RLOO is the suite's exact checker, `rlhflab.tasks.check`: that package
 is pure Python (no torch), so it is imported from the repository's `src/` (the spec's
-`rlhflab_src`) and nothing else of rlhflab is. Prints one JSON line: wall time of
+`rlhflab_src`) and nothing else of rlhflab is. Prints one JSON line: wall and CPU time of
 `trainer.train()`, what it produced (completions, completion tokens, pairs), time in
 generation, peak RSS.
 """
@@ -141,12 +141,12 @@ def main() -> None:
     policy = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
     trainer = BUILDERS[spec["method"]](spec, out, policy, tokenizer, counter)
     time_generation(trainer, counter)
-    t1 = time.time()
+    t1, cpu = time.time(), time.process_time()
     trainer.train()
-    t2 = time.time()
+    t2, cpu = time.time(), time.process_time() - cpu
     logs = [row for row in trainer.state.log_history if "loss" in row]
     s = spec["settings"]
-    print(json.dumps({"library": "trl", "seconds": t2 - t1, "setup_seconds": t1 - t0,
+    print(json.dumps({"library": "trl", "seconds": t2 - t1, "cpu_seconds": cpu, "setup_seconds": t1 - t0,
                       "optimizer_steps": trainer.state.global_step,
                       # GRPO / RLOO count prompt + completion tokens of every generation batch here
                       "prompt_tokens": trainer.state.num_input_tokens_seen - counter["completion_tokens"],
