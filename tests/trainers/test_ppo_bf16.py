@@ -208,3 +208,34 @@ def test_shipped_ppo_lora_config_runs_in_bf16_on_a_tiny_qwen2(tmp_path):
     assert updates[0]["objective/kl"] == 0.0  # policy == reference at the first rollout
     assert all(map(lambda r: all(v == v for v in r.values() if isinstance(v, float)), updates))  # no NaN
     assert (result.model_dir / "model.safetensors").is_file()
+
+
+CRITIC_FREE = {"grpo": dict(num_generations=4), "rloo": dict(num_generations=4, num_iterations=1), "reinforce": dict(),
+               "online-dpo": dict(num_generations=4)}
+
+
+@pytest.mark.parametrize("lora", [0, 4], ids=["full", "lora"])
+@pytest.mark.parametrize("stage", sorted(CRITIC_FREE))
+def test_critic_free_methods_train_a_bf16_model(tmp_path, stage, lora):
+    """The other online methods on a bf16 checkpoint, whole weights (float32 for training) or LoRA on the
+    bf16 base: KL exactly 0 and ratio exactly 1 at the first update, no NaN, the policy moved."""
+    import importlib
+
+    from rlhflab.config import STAGES
+
+    policy = save_model(tmp_path / "qwen2", arch="qwen2")
+    cfg = STAGES[stage](model=policy, dtype="bfloat16", lora_r=lora, batch_size=8, response_length=6, total_episodes=16,
+                        eval_every=0, eval_prompts=4, sample_prompts=2, max_new_tokens=6, console_samples=0,
+                        num_train_prompts=22, num_validation_prompts=11, num_test_prompts=11, progress=False,
+                        threads=1, learning_rate=1e-2, temperature=0.9, reuse_rollout_forward=False, save_every=0,
+                        missing_eos_penalty=0.0, output_dir=str(tmp_path / "run"), **CRITIC_FREE[stage])
+    trainer = importlib.import_module(f"rlhflab.trainers.{stage.replace('-', '_')}")
+    result = trainer.train(cfg, reward_fn=lambda p, r, rows: [float(len(x) % 3) for x in r])
+    rows = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+    updates = [r for r in rows if "objective/kl" in r]
+    assert len(updates) == 2 and updates[0]["objective/kl"] == 0.0
+    if "policy/ratio_mean" in updates[0]:
+        assert updates[0]["policy/ratio_mean"] == 1.0
+    assert all(v == v for r in updates for v in r.values() if isinstance(v, float))  # no NaN
+    assert updates[1]["objective/kl"] != 0.0  # the first update moved the policy
+    assert (result.model_dir / "model.safetensors").is_file() and (result.run_dir / "adapter").is_dir() == bool(lora)
