@@ -322,6 +322,7 @@ def test_sweep_runs_a_new_online_stage(setup):
     ("rloo", "num_generations", "2,4", [2, 4], []),
     ("reinforce", "baseline", "batch_mean,leave_one_out", ["batch_mean", "leave_one_out"], ["--num_generations", "2"]),
     ("dpo", "loss_type", "sigmoid,ipo", ["sigmoid", "ipo"], []),
+    ("online-dpo", "beta", "0.1,0.2", [0.1, 0.2], []),
 ])
 def test_sweep_plans_every_new_stage(setup, stage, field, texts, values, extra):
     from rlhflab.sweep import plan_sweep
@@ -331,3 +332,17 @@ def test_sweep_plans_every_new_stage(setup, stage, field, texts, values, extra):
                        "--batch_size", "8", *extra, "--out", str(folder / f"plan-{stage}")])
     assert [getattr(c, field) for c in plan.configs] == values
     assert not (folder / f"plan-{stage}").exists()  # planned only
+
+
+def test_the_readme_per_method_sections_plan(setup, tmp_path):
+    """README "Comparing methods": its example YAML is a valid compare config for every method it names."""
+    from pathlib import Path
+
+    folder, _ = setup
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = readme[readme.index("# compare.yaml"):]
+    path = tmp_path / "compare.yaml"
+    path.write_text(block[:block.index("```")])
+    plan = compare.parse_compare(["--config", str(path), "--model", str(folder / "policy")])
+    assert plan.configs["grpo"].beta == 0.0 and plan.configs["dpo"].beta == 0.2
+    assert plan.configs["online-dpo"].num_generations == 8 and plan.configs["ppo"].response_length == 26

@@ -86,6 +86,9 @@ assert tuple(METHODS) == COMPARE_METHODS
 # fields of CompareConfig that are the comparison's own, not handed to the methods
 COMPARE_ONLY = ("methods", "budget", "prompts_file", "kl_samples", "output_dir", "overwrite")
 BUDGET_FIELDS = ("total_episodes", "max_seconds", "max_pairs", "max_steps", "num_epochs")
+# not training settings: the sample-answer table each method logs at its evaluations is off unless a section turns
+# it on (six methods' tables would bury the comparison's progress lines)
+QUIET = {"console_samples": 0}
 # a wall-time budget: the run's length in updates is not known in advance, so its episode / step cap is this
 # (out of reach) and its learning rate is constant unless the method's section sets a schedule
 OPEN_ENDED = 10**9
@@ -247,7 +250,8 @@ def method_config(method: Method, cfg: CompareConfig, budget: Budget, section: d
     cls = config_class(method)
     shared = shared_values(cfg, method, cls)
     own = check_section(method.name, section, cls, shared, where)
-    values = {**shared, **own}
+    quiet = {k: v for k, v in QUIET.items() if k in field_names(cls)}
+    values = {**shared, **quiet, **own}
     values |= budget_values(method, budget, cls, values)
     values |= {"model": cfg.model, "tokenizer": cfg.tokenizer, "output_dir": str(out / method.name),
                "overwrite": cfg.overwrite}
