@@ -9,6 +9,7 @@ from rlhflab.core.advantages import (
     group_std,
     grpo_advantages,
     rloo_advantages,
+    token_rewards,
 )
 from rlhflab.core.kl import KL_ESTIMATORS, AdaptiveKLController, FixedKLController, kl_k1, kl_k2, kl_k3
 from rlhflab.core.losses import (

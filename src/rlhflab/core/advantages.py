@@ -56,6 +56,17 @@ def gae(
     return advantages, returns
 
 
+def token_rewards(scores: Tensor, kl: Tensor, response_mask: Tensor, kl_coef: float) -> tuple[Tensor, Tensor]:
+    """Per-token rewards of an outcome-scored response (Ziegler et al. 2019; PPO, REINFORCE):
+    r_t = −β·KL_t on every real token, plus the (B,) score on the last real one. (B, T) -> rewards and
+    the KL part alone (−β·KL_t), both (B, T)."""
+    non_score = -kl_coef * kl
+    last = (response_mask.sum(dim=1) - 1).clamp(min=0)  # (B,)
+    rewards = non_score.clone()
+    rewards[torch.arange(rewards.shape[0]), last] += scores
+    return torch.where(response_mask, rewards, torch.zeros_like(rewards)), non_score
+
+
 def discounted_returns(rewards: Tensor, response_mask: Tensor, gamma: float) -> Tensor:
     """Reward-to-go G_t = Σ_l γ^l r_{t+l} over real tokens (REINFORCE). (B, T) -> (B, T)."""
     _check_right_padded(response_mask)

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from rlhflab import core
 from rlhflab.config import PPOConfig
-from rlhflab.core import KL_ESTIMATORS, clipped_value_loss, gae, ppo_policy_loss, whiten
+from rlhflab.core import KL_ESTIMATORS, clipped_value_loss, gae, ppo_policy_loss, token_rewards, whiten
 from rlhflab.errors import UserInputError
 from rlhflab.tracking import RunDir, RunResult
 from rlhflab.trainers.online.algorithm import Advantages, ScoredRollout, StepShare
@@ -30,15 +30,6 @@ def kl_controller(cfg: PPOConfig):
     if cfg.adaptive_kl:
         return core.AdaptiveKLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon)
     return core.FixedKLController(cfg.kl_coef)
-
-
-def token_rewards(scores, kl, response_mask, kl_coef: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """r_t = -beta * KL_t on every real token, plus the score on the last real one. (B, T)."""
-    non_score = -kl_coef * kl
-    last = (response_mask.sum(dim=1) - 1).clamp(min=0)  # (B,)
-    rewards = non_score.clone()
-    rewards[torch.arange(rewards.shape[0]), last] += scores
-    return torch.where(response_mask, rewards, torch.zeros_like(rewards)), non_score
 
 
 def masked_var_of(x, mask):

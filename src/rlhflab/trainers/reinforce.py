@@ -15,14 +15,14 @@ import torch
 from torch import Tensor
 
 from rlhflab.config import REINFORCEConfig
-from rlhflab.core import MovingAverageBaseline, discounted_returns, masked_mean, rloo_advantages, whiten
+from rlhflab.core import (MovingAverageBaseline, discounted_returns, masked_mean, rloo_advantages, token_rewards,
+                          whiten)
 from rlhflab.errors import UserInputError
 from rlhflab.tracking import RunDir, RunResult
 from rlhflab.trainers.online.algorithm import Advantages, ScoredRollout, StepShare
 from rlhflab.trainers.online.loop import train_online
 from rlhflab.trainers.online.monitor import Monitor
 from rlhflab.trainers.online.setup import check_online_config
-from rlhflab.trainers.ppo import token_rewards
 
 
 class REINFORCE:
