@@ -71,10 +71,11 @@ def run_demo(cfg) -> int:
 
     result = demo(cfg)  # the demo, then with --compare the methods compared from its SFT model
     summary = result.summary
-    print(format_table(summary["test_tables"], title=f"test pass rate ({summary['decoding']})"))
+    demo_tables = {name: t for name, t in summary["test_tables"].items() if not name.startswith("compare/")}
+    print(format_table(demo_tables, title=f"test pass rate ({summary['decoding']})"))  # compare's: its own table
     if summary.get("test_rm_score"):
         scores = summary["test_rm_score"]
-        print(f"{'RM score':<12}  " + "  ".join(f"{scores[name]:>8.2f}" for name in summary["test_tables"]))
+        print(f"{'RM score':<12}  " + "  ".join(f"{scores[name]:>8.2f}" for name in demo_tables))
     for name, kl in summary["kl_to_reference"].items():
         print(f"KL to the reference at the end of {name}: {kl:.2f} nats per response")
     if summary.get("rm"):

@@ -309,8 +309,9 @@ def parse_compare(argv: list[str]) -> ComparePlan:
 # --- measuring: the same test evaluation and KL for every model ------------------------------------
 
 
-class TestBench:
-    """The test prompts, verifier, tokenizer and starting model, loaded once and used for every model."""
+class Judge:
+    """The same judge for every model: the test prompts, verifier, decoding and the starting model (KL's
+    reference), loaded once."""
 
     def __init__(self, cfg: CompareConfig):
         self.cfg = cfg
@@ -386,17 +387,17 @@ def method_entry(result: RunResult, wall_s: float, kl: float, table: dict, start
     }
 
 
-def run_method(name: str, mcfg, bench: TestBench, start: float) -> MethodOutcome:
+def run_method(name: str, mcfg, judge: Judge, start: float) -> MethodOutcome:
     """Train one method, then test it and measure its KL; any failure is recorded, not raised."""
     run_dir = Path(mcfg.output_dir)
     t0 = time.time()
     try:
         result = train_method(METHODS[name], mcfg)
         wall_s = time.time() - t0
-        model = bench.load(result.model_dir)
-        answers = bench.answers(model)
+        model = judge.load(result.model_dir)
+        answers = judge.answers(model)
         table = table_from_rows(answers)
-        entry = method_entry(result, wall_s, bench.kl(model), table, start)
+        entry = method_entry(result, wall_s, judge.kl(model), table, start)
     except (KeyboardInterrupt, Interrupted):
         raise
     except Exception as err:  # noqa: BLE001 - one method failing must not lose the others' results
@@ -430,27 +431,27 @@ def run_compare(plan: ComparePlan) -> RunResult:
         with open(run.path / "config.yaml", "a") as f:
             f.write(yaml.safe_dump(plan.sections, sort_keys=False))
     run.write_versions(cfg.seed)
-    bench = TestBench(cfg)
-    start_answers = bench.answers(bench.reference)
+    judge = Judge(cfg)
+    start_answers = judge.answers(judge.reference)
     run.add_samples({"model": "start", **a} for a in start_answers)
     start = table_from_rows(start_answers)
     run.log({"test/pass_rate/start": start["overall"]}, step=0)
-    log.info("compare: starting model, test pass rate %.1f%% on %d prompts", 100 * start["overall"], len(bench.rows))
+    log.info("compare: starting model, test pass rate %.1f%% on %d prompts", 100 * start["overall"], len(judge.rows))
     outcomes: list[MethodOutcome] = []
     for i, (name, mcfg) in enumerate(plan.configs.items(), start=1):
         log.info("compare %d/%d: %s (%s) -> %s", i, len(plan.configs), name, plan.budget, mcfg.output_dir)
-        outcome = run_method(name, mcfg, bench, start["overall"])
+        outcome = run_method(name, mcfg, judge, start["overall"])
         run.add_samples({"model": name, **a} for a in outcome.answers)
         if outcome.table is not None:
             run.log({f"test/pass_rate/{name}": outcome.table["overall"]}, step=i)
         outcomes.append(outcome)
-        summary = write_summary(run, plan, bench, start_answers, outcomes, time.time() - started)
+        summary = write_summary(run, plan, judge, start_answers, outcomes, time.time() - started)
     write_method_comparison(run.path)
     run.close()
     return RunResult(run.path, summary)
 
 
-def write_summary(run: RunDir, plan: ComparePlan, bench: TestBench, start_answers: list[dict],
+def write_summary(run: RunDir, plan: ComparePlan, judge: Judge, start_answers: list[dict],
                   outcomes: list[MethodOutcome], elapsed: float) -> dict:
     start = table_from_rows(start_answers)
     start_passed = [bool(a["passed"]) for a in start_answers]
@@ -465,8 +466,8 @@ def write_summary(run: RunDir, plan: ComparePlan, bench: TestBench, start_answer
     summary = {
         "stage": "compare", "model": plan.cfg.model, "budget": {"kind": plan.budget.kind, "amount": plan.budget.amount},
         "methods_run": list(plan.configs),
-        "test": {"prompts": len(bench.rows), "source": plan.cfg.prompts_file or "built-in suite, test split",
-                 "verifier": getattr(bench.verifier, "name", type(bench.verifier).__name__),
+        "test": {"prompts": len(judge.rows), "source": plan.cfg.prompts_file or "built-in suite, test split",
+                 "verifier": getattr(judge.verifier, "name", type(judge.verifier).__name__),
                  "decoding": "sampled" if plan.cfg.do_sample else "greedy",
                  "kl": f"k1 over {plan.cfg.kl_samples} response(s) per test prompt sampled at temperature "
                        f"{plan.cfg.temperature:g}, to the starting model"},
@@ -521,10 +522,8 @@ def run_demo_with_comparison(demo_cfg) -> RunResult:
     RUN/compare, whose table joins the demo's summary (`compare`, and `test_tables` as compare/<method>)."""
     from rlhflab.demo import run_demo
 
-    if not demo_cfg.compare:
+    if not demo_cfg.compare or demo_cfg.resume:  # (the demo refuses --resume with its own message)
         return run_demo(demo_cfg)
-    if demo_cfg.resume:
-        return run_demo(demo_cfg)  # the demo refuses it with its own message
     out = Path(demo_cfg.output_dir or default_run_path("demo"))
     demo_cfg = dataclasses.replace(demo_cfg, output_dir=str(out))
     plan_compare(demo_compare_config(demo_cfg, str(out / "sft" / "model"), str(out / "compare")), {})  # before SFT
