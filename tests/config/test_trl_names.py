@@ -74,7 +74,7 @@ def test_a_trl_flag_without_counterpart_says_so_and_why(trl):
     ("rm diagnose", "sft_model_path", "did you mean --policy?"),
     ("rm", "num_train_epochs", "did you mean --num_epochs?"),
     ("sft", "reward_model_path", "TRL's --reward_model_path is rlhflab's --reward_model, which this stage does "
-                                 "not take (stages that do: ppo, grpo, rloo, reinforce, rm diagnose)"),
+                                 "not take (stages that do: ppo, grpo, rloo, reinforce, online-dpo, rm diagnose, compare)"),
 ])
 def test_only_names_the_stage_has_are_suggested(stage, trl, expected):
     assert expected in error_of(stage, [f"--{trl}", "x"])
