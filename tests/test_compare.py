@@ -102,6 +102,9 @@ def test_report_and_console_show_every_method(compared):
     assert page.count("<img") >= 2  # validation and KL curves on shared axes
     assert summary["verdict"][0] in page.replace("&#x27;", "'")
     assert (out / "ppo" / "report.html").is_file() and (out / "grpo" / "report.html").is_file()
+    from rlhflab.report import write_report  # `rlhflab report DIR` on a comparison gives the same page
+
+    assert write_report(out, out / "again.html").read_text() == page
     lines = stdout.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("method"))
     assert lines[header].split() == ["method", "test", "pass", "gain", "KL", "wall", "s", "episodes/s"]
