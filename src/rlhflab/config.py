@@ -464,8 +464,9 @@ class DPOConfig(CheckpointFields, RunFields, ModelFields, SuiteFields, DataField
     loss_type: Literal["sigmoid", "ipo", "simpo"] = arg(
         "sigmoid", "sigmoid = DPO (Rafailov et al. 2023) on summed log-probs; ipo = IPO (Azar et al. 2023) and simpo = "
                    "SimPO (Meng et al. 2024, no reference) on length-averaged log-probs, as TRL")
-    beta: float = arg(0.1, "implicit-reward scale beta (IPO: its tau, the target margin is 1 / (2 beta); SimPO's "
-                           "paper uses 2.0-2.5)")
+    beta: float = arg(2.0, "implicit-reward scale beta: the larger, the sooner a pair stops pushing away from the "
+                           "reference (IPO: its tau, target margin 1 / (2 beta); SimPO's paper: 2.0-2.5). TRL's "
+                           "default is 0.1; on the suite 0.1 gained +12 points, 2.0 +36 (README \"DPO, IPO and SimPO\")")
     label_smoothing: float = arg(0.0, "sigmoid only: share of pairs assumed mislabelled (conservative DPO); 0 = off")
     simpo_gamma: float = arg(0.5, "simpo only: target reward margin gamma")
     num_epochs: int = arg(3, "passes over the training pairs (when max_steps is 0)")

@@ -77,6 +77,8 @@ def preference_loss(cfg: DPOConfig, policy: SequenceLogps, reference: SequenceLo
     """The loss of `cfg.loss_type` on summed log-probs (averaged here where the loss reads means); stats
     under TRL's names, with `logps/*` as the loss read them."""
     kind = LOSS_TYPES[cfg.loss_type]
+    if reference is not None:  # precomputed on the CPU; the policy's log-probs may be on an accelerator
+        reference = SequenceLogps(*(t.to(policy.chosen.device) for t in reference))
     if kind.averaged:
         policy = policy.averaged()
         reference = reference.averaged() if reference is not None else None
