@@ -184,7 +184,7 @@ def online_command(stage: str):
 
 def online_result_lines(summary: dict) -> str:
     """The held-out start -> end, KL and speed of an online run, its alarms, early stop and restored best."""
-    held_out = summary["held_out"]["metric"]
+    held_out = "val/pass_rate" if "validation_pass_rate" in summary else "val/reward"
     name, fmt = ("validation pass rate", "{:.1%}") if held_out == "val/pass_rate" else ("validation reward", "{:.3f}")
     numbers = summary.get("validation_pass_rate") or summary.get("validation_reward")
     final = summary["final"]
