@@ -122,6 +122,15 @@ def test_simpo_needs_no_reference_and_learns(policy_dir, tmp_path):
     assert margin["end"] > 2 * margin["start"] > 0, margin
 
 
+def test_hard_negatives_and_near_misses_join_the_training_pairs_only(policy_dir, tmp_path):
+    plain = dpo.train(tiny_cfg(policy_dir, tmp_path / "plain", max_steps=1)).summary
+    more = dpo.train(tiny_cfg(policy_dir, tmp_path / "more", max_steps=1, hard_negatives=2, near_misses=1)).summary
+    assert plain["train_pairs"] == 44 and plain["validation_pairs"] == 22
+    assert more["train_pairs"] > 44 + 22 and more["validation_pairs"] == 22  # 22 near misses + failing samples
+    with pytest.raises(UserInputError, match="built from the built-in suite's items"):
+        dpo.train(tiny_cfg(policy_dir, tmp_path / "file", train_file="prefs.jsonl", hard_negatives=1))
+
+
 def test_bad_settings_are_refused_before_any_work(policy_dir, tmp_path):
     with pytest.raises(UserInputError, match="label_smoothing is conservative DPO's"):
         dpo.train(tiny_cfg(policy_dir, tmp_path / "run", loss_type="ipo", label_smoothing=0.1))
