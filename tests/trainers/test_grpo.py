@@ -2,6 +2,7 @@
 no gradient from padding or post-EOS tokens, gradient accumulation, the k3 KL term, learning an easy reward, and
 the CLI's refusals."""
 
+import dataclasses
 import math
 
 import pytest
@@ -180,3 +181,27 @@ def test_cli_refuses_a_group_of_one_and_a_batch_not_made_of_whole_groups(policy_
     err = capsys.readouterr().err
     assert named in err and "rlhflab: error" in err
     assert not (tmp_path / "run").exists()  # refused before anything was written
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_the_logged_loss_is_the_steps_loss_at_any_accumulation(policy_dir, loss_type):
+    """The weights do not move (lr 0): the logged loss at 4 micro-batches a step equals the one at 1."""
+    cfg = grpo_cfg(policy_dir, loss_type=loss_type, num_mini_batches=2, max_grad_norm=0.0)
+    roles, tokenizer = build_roles(cfg, critic=False)
+    rollout = grouped_rollout(cfg, roles, tokenizer, prompts=2, group=4)
+    lengths = torch.tensor([1, 6, 2, 5, 3, 6, 1, 4])  # unequal: a micro-batch's share of tokens != of rows
+    mask = rollout.response_mask & (torch.arange(6).unsqueeze(0) < lengths.unsqueeze(1))
+    rollout = dataclasses.replace(rollout, response_mask=mask, policy_forward=None)
+    batch = scored_batch(rollout, torch.randn(8, generator=torch.Generator().manual_seed(3)),
+                         torch.ones(8, dtype=torch.bool), 4)
+    logged = []
+    for accumulation in (1, 4):
+        optimizer = torch.optim.SGD(roles.trainable_parameters(), lr=0.0)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+        algorithm = grpo.GRPO(dataclasses.replace(cfg, gradient_accumulation_steps=accumulation))
+        stats = update_passes(algorithm, roles, optimizer, scheduler, batch, algorithm.advantages(batch),
+                              dataclasses.replace(cfg, gradient_accumulation_steps=accumulation),
+                              torch.Generator().manual_seed(0))
+        logged.append(stats["loss"])
+    assert logged[0] != 0.0
+    assert logged[1] == pytest.approx(logged[0], rel=1e-5)

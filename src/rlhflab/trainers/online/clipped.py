@@ -64,16 +64,10 @@ def clipped_policy_loss(logprobs: Tensor, batch: ScoredRollout, adv: Advantages,
                  "ratio_mean": masked_mean(ratio, mask),
                  "ratio_min": torch.where(mask, ratio, torch.full_like(ratio, float("inf"))).min(),
                  "ratio_max": torch.where(mask, ratio, torch.full_like(ratio, float("-inf"))).max(),
-                 "loss": loss.detach() / micro_share(mask, len(idx), share, settings.loss_type)}
+                 # the micro-batches' losses add up to the step's; the loop averages the logged ones over the
+                 # step's (equal-sized) micro-batches, so each is scaled by their count, whatever the loss_type
+                 "loss": loss.detach() * share.rows / len(idx)}
     return loss, stats
-
-
-def micro_share(mask: Tensor, rows: int, share: StepShare, loss_type: str) -> float:
-    """The part of its step a micro-batch's loss stands for: its rows' share (grpo, dr_grpo) or its tokens'
-    share (bnpo, dapo); the logged "loss" divides by it, so it reads as the step's loss at any accumulation."""
-    if loss_type in ("bnpo", "dapo"):
-        return max(mask.sum().item(), 1) / share.tokens
-    return rows / share.rows
 
 
 def group_metrics(batch: ScoredRollout, rewards: Tensor) -> dict:
