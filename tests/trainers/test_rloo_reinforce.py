@@ -152,3 +152,13 @@ def test_cli_refuses_leave_one_out_without_a_group(policy_dir, tmp_path, capsys)
     err = capsys.readouterr().err
     assert "--num_generations" in err and "leave_one_out" in err
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("decay", [1.0, -0.1])
+def test_cli_refuses_a_baseline_decay_outside_0_1(policy_dir, tmp_path, capsys, decay):
+    code = main(["reinforce", "--model", policy_dir, "--output_dir", str(tmp_path / "run"), "--baseline_decay",
+                 str(decay), "--progress", "false"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "--baseline_decay" in err and "rlhflab: error" in err
+    assert not (tmp_path / "run").exists()

@@ -37,6 +37,9 @@ class REINFORCE:
                                  "e.g. --num_generations 4, or --baseline batch_mean")
         if cfg.num_generations < 1:
             raise UserInputError(f"num_generations must be >= 1, got {cfg.num_generations}", "--num_generations")
+        if not 0.0 <= cfg.baseline_decay < 1.0:
+            raise UserInputError(f"baseline_decay must be in [0, 1), got {cfg.baseline_decay}", "--baseline_decay",
+                                 "e.g. --baseline_decay 0.9 (the weight of the old average)")
         self.cfg = cfg
         self.samples_per_prompt = cfg.num_generations
         self.moving = MovingAverageBaseline(cfg.baseline_decay)
