@@ -49,7 +49,7 @@ def test_advantages_and_trl_group_metrics_by_hand(policy_dir):
     assert adv.returns is None
     m = adv.metrics
     assert m["reward"] == pytest.approx(3.0)  # mean of the scored 1, 2, 6, 3
-    assert m["reward_std"] == pytest.approx(math.sqrt(7.0) / 2)  # mean of the group stds sqrt(7) and 0
+    assert m["reward_std"] == pytest.approx(torch.tensor([1.0, 2.0, 6.0, 3.0]).std().item())  # the rollout's (TRL)
     assert m["frac_reward_zero_std"] == 0.5
     assert m["completions/mean_length"] == pytest.approx(sum(LENGTHS) / 8)
     assert m["entropy"] == pytest.approx(2.0)
@@ -68,7 +68,7 @@ def test_kl_in_the_reward_subtracts_beta_times_the_sequence_kl(policy_dir):
     adv = algorithm.advantages(batch)
     # rewards 1 - 0.5 * 0, 2 - 0.5 * 2, 6 - 0: [1, 1, 6], mean 8/3; group 2: 3 - 0.5 * 4 alone -> 0
     torch.testing.assert_close(adv.advantages[:, 0], torch.tensor([-5 / 3, -5 / 3, 0.0, 10 / 3, 0, 0, 0, 0]))
-    assert adv.metrics["reward"] == pytest.approx((1 + 1 + 6 + 1) / 4)
+    assert adv.metrics["reward"] == pytest.approx((1 + 2 + 6 + 3) / 4)  # the scores, before the KL penalty (TRL)
 
 
 @pytest.mark.parametrize("level,loss_type", VARIANTS)

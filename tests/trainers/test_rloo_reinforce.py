@@ -45,7 +45,7 @@ def test_rloo_advantages_by_hand_with_the_kl_in_the_reward(policy_dir):
     per_response = torch.tensor([-2.5, -2.5, 0.0, 5.0, 0.0, 0.0, 0.0, 0.0])
     torch.testing.assert_close(adv.advantages, torch.where(batch.mask, per_response.unsqueeze(1), torch.zeros(())))
     assert adv.metrics["kl"] == pytest.approx((2 + 4) / 8)  # TRL's RLOO kl: per real token of the scored rows
-    assert adv.metrics["reward"] == pytest.approx((1 + 1 + 6 + 1) / 4)
+    assert adv.metrics["reward"] == pytest.approx((1 + 2 + 6 + 3) / 4)  # the scores, before the KL penalty (TRL)
     assert adv.metrics["frac_reward_zero_std"] == 0.5
     whitened = rloo.RLOO(rloo_cfg(policy_dir, beta=0.5, normalize_advantages=True)).advantages(batch).advantages
     kept_std = math.sqrt((2.5**2 * 2 + 5**2) / 3)  # of the scored rows' [-2.5, -2.5, 5, 0], mean 0

@@ -138,7 +138,8 @@ def grpo_advantages(scores: Tensor, group_size: int, eps: float = 1e-4, scale: s
 
 
 def group_std(scores: Tensor, group_size: int) -> Tensor:
-    """(B,) -> (N,) unbiased std of each group's scored samples (0 with fewer than 2): TRL's reward_std."""
+    """(B,) -> (N,) unbiased std of each group's scored samples (0 with fewer than 2): TRL's frac_reward_zero_std
+    counts the groups where it is 0."""
     return torch.nan_to_num(_nan_std(_grouped(scores, group_size), dim=1), nan=0.0).squeeze(1)
 
 

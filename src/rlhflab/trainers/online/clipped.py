@@ -71,12 +71,15 @@ def clipped_policy_loss(logprobs: Tensor, batch: ScoredRollout, adv: Advantages,
 
 
 def group_metrics(batch: ScoredRollout, rewards: Tensor) -> dict:
-    """TRL's GRPO / RLOO rollout metrics: mean reward, mean within-group std, share of groups with no spread."""
+    """TRL 1.16's GRPO / RLOO rollout metrics. `reward` and `reward_std` read the scores, before any KL penalty,
+    over the whole rollout (TRL's nanmean / nanstd of the summed reward functions); `frac_reward_zero_std` is
+    the share of groups whose `rewards` (what the baseline sees) have no spread, i.e. no learning signal."""
     valid = batch.valid
+    scores = batch.scores[valid]
     spread = group_std(torch.where(valid, rewards, torch.full_like(rewards, float("nan"))), batch.group_size)
     return {
-        "reward": rewards[valid].mean().item(),
-        "reward_std": spread.mean().item(),
+        "reward": scores.mean().item(),
+        "reward_std": scores.std().item() if scores.numel() > 1 else 0.0,
         "frac_reward_zero_std": (spread == 0).float().mean().item(),
         "completions/mean_length": batch.rollout.response_mask.sum(dim=1).float().mean().item(),
         "entropy": masked_mean(batch.rollout.entropy, batch.rollout.response_mask).item(),
