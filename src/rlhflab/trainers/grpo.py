@@ -18,18 +18,19 @@ from torch import Tensor
 from rlhflab.config import GRPOConfig
 from rlhflab.core import grpo_advantages
 from rlhflab.tracking import RunDir, RunResult
-from rlhflab.trainers.online.algorithm import Advantages, ScoredRollout, StepShare
-from rlhflab.trainers.online.clipped import (ClipSettings, check_group, clipped_policy_loss, group_metrics,
-                                             sequence_advantages, step_metrics)
+from rlhflab.trainers.online.algorithm import Advantages, AlgorithmDefaults, ScoredRollout, StepShare
+from rlhflab.trainers.online.clipped import (STEP_NAMES, ClipSettings, check_group, clipped_policy_loss,
+                                             group_metrics, sequence_advantages)
 from rlhflab.trainers.online.loop import train_online
 from rlhflab.trainers.online.monitor import Monitor
 from rlhflab.trainers.online.setup import check_online_config
 
 
-class GRPO:
+class GRPO(AlgorithmDefaults):
     name = "grpo"
     critic = False
     whole_groups = False
+    step_names = STEP_NAMES
 
     def __init__(self, cfg: GRPOConfig):
         check_group(cfg)
@@ -53,18 +54,6 @@ class GRPO:
     def loss(self, logprobs: Tensor, values, batch: ScoredRollout, adv: Advantages, idx: Tensor,
              share: StepShare) -> tuple[Tensor, dict]:
         return clipped_policy_loss(logprobs, batch, adv, idx, share, self.settings)
-
-    def step_metrics(self, stats: dict) -> dict:
-        return step_metrics(stats)
-
-    def after_update(self, batch: ScoredRollout) -> None:
-        pass
-
-    def state_dict(self) -> dict:
-        return {}
-
-    def load_state_dict(self, state: dict) -> None:
-        pass
 
 
 def check_config(cfg: GRPOConfig) -> None:

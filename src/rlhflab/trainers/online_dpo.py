@@ -21,7 +21,7 @@ from rlhflab.config import OnlineDPOConfig
 from rlhflab.core import dpo_loss, ipo_loss
 from rlhflab.errors import UserInputError
 from rlhflab.tracking import RunDir, RunResult
-from rlhflab.trainers.online.algorithm import Advantages, ScoredRollout, StepShare
+from rlhflab.trainers.online.algorithm import Advantages, AlgorithmDefaults, ScoredRollout, StepShare
 from rlhflab.trainers.online.loop import train_online
 from rlhflab.trainers.online.monitor import Monitor
 from rlhflab.trainers.online.setup import check_online_config
@@ -50,10 +50,13 @@ def sequence_logps(logprobs: Tensor, mask: Tensor, average: bool) -> Tensor:
     return summed / mask.sum(dim=1).clamp(min=1) if average else summed
 
 
-class OnlineDPO:
+class OnlineDPO(AlgorithmDefaults):
     name = "online-dpo"
     critic = False
     whole_groups = True  # a pair's two answers must be in the same micro-batch
+    step_names = {"loss": "loss", "chosen_rewards": "rewards/chosen", "rejected_rewards": "rewards/rejected",
+                  "reward_accuracy": "rewards/accuracies", "reward_margin": "rewards/margins",
+                  "logps_chosen": "logps/chosen", "logps_rejected": "logps/rejected", "grad_norm": "grad_norm"}
 
     def __init__(self, cfg: OnlineDPOConfig):
         if cfg.num_generations < 2:
@@ -105,21 +108,6 @@ class OnlineDPO:
         stats = {**stats, "loss": loss.detach(), "logps_chosen": policy[chosen].detach().mean(),
                  "logps_rejected": policy[rejected].detach().mean()}
         return loss * pairs / step_pairs, stats
-
-    def step_metrics(self, stats: dict) -> dict:
-        names = {"loss": "loss", "chosen_rewards": "rewards/chosen", "rejected_rewards": "rewards/rejected",
-                 "reward_accuracy": "rewards/accuracies", "reward_margin": "rewards/margins",
-                 "logps_chosen": "logps/chosen", "logps_rejected": "logps/rejected", "grad_norm": "grad_norm"}
-        return {names[k]: v for k, v in stats.items() if k in names}
-
-    def after_update(self, batch: ScoredRollout) -> None:
-        pass
-
-    def state_dict(self) -> dict:
-        return {}
-
-    def load_state_dict(self, state: dict) -> None:
-        pass
 
 
 def check_config(cfg: OnlineDPOConfig) -> None:

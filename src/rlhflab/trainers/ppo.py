@@ -20,7 +20,7 @@ from rlhflab.config import PPOConfig
 from rlhflab.core import KL_ESTIMATORS, clipped_value_loss, gae, ppo_policy_loss, token_rewards, whiten
 from rlhflab.errors import UserInputError
 from rlhflab.tracking import RunDir, RunResult
-from rlhflab.trainers.online.algorithm import Advantages, ScoredRollout, StepShare
+from rlhflab.trainers.online.algorithm import Advantages, AlgorithmDefaults, ScoredRollout, StepShare
 from rlhflab.trainers.online.loop import train_online
 from rlhflab.trainers.online.monitor import Monitor
 from rlhflab.trainers.online.setup import check_online_config
@@ -43,11 +43,12 @@ STEP_NAMES = {"loss/policy": "loss/policy_avg", "loss/value": "loss/value_avg", 
               "grad_norm": "grad_norm"}
 
 
-class PPO:
+class PPO(AlgorithmDefaults):
     name = "ppo"
     critic = True
     whole_groups = False
     samples_per_prompt = 1
+    step_names = STEP_NAMES
 
     def __init__(self, cfg: PPOConfig):
         if cfg.num_ppo_epochs <= 0:
@@ -93,9 +94,6 @@ class PPO:
                  **{f"policy/{k}": v for k, v in pg_stats.items()}, "val/clipfrac": vf_stats["clipfrac"],
                  "ratio_var": masked_var_of(ratio, mask)}
         return (pg_loss + cfg.vf_coef * vf_loss) * weight, stats
-
-    def step_metrics(self, stats: dict) -> dict:
-        return {STEP_NAMES[k]: v for k, v in stats.items() if k in STEP_NAMES}
 
     def after_update(self, batch: ScoredRollout) -> None:
         kl = self._penalty

@@ -19,17 +19,18 @@ from rlhflab.core import (MovingAverageBaseline, discounted_returns, masked_mean
                           whiten)
 from rlhflab.errors import UserInputError
 from rlhflab.tracking import RunDir, RunResult
-from rlhflab.trainers.online.algorithm import Advantages, ScoredRollout, StepShare
+from rlhflab.trainers.online.algorithm import Advantages, AlgorithmDefaults, ScoredRollout, StepShare
 from rlhflab.trainers.online.loop import train_online
 from rlhflab.trainers.online.monitor import Monitor
 from rlhflab.trainers.online.setup import check_online_config
 
 
-class REINFORCE:
+class REINFORCE(AlgorithmDefaults):
     name = "reinforce"
     critic = False
     whole_groups = False
     epochs = 1  # on-policy: a second pass would need a ratio clip, i.e. PPO
+    step_names = {"loss": "loss", "ratio_mean": "policy/ratio_mean", "grad_norm": "grad_norm"}
 
     def __init__(self, cfg: REINFORCEConfig):
         if cfg.baseline == "leave_one_out" and cfg.num_generations < 2:
@@ -76,13 +77,6 @@ class REINFORCE:
         loss = torch.where(mask, per_token, torch.zeros_like(per_token)).sum() / share.tokens
         stats = {"loss": loss.detach() * share.rows / len(idx), "ratio_mean": masked_mean(ratio.detach(), mask)}
         return loss, stats
-
-    def step_metrics(self, stats: dict) -> dict:
-        names = {"loss": "loss", "ratio_mean": "policy/ratio_mean", "grad_norm": "grad_norm"}
-        return {names[k]: v for k, v in stats.items() if k in names}
-
-    def after_update(self, batch: ScoredRollout) -> None:
-        pass
 
     def state_dict(self) -> dict:
         return {"moving_baseline": self.moving.state_dict()}

@@ -84,3 +84,22 @@ class Algorithm(Protocol):
 
     def load_state_dict(self, state: dict) -> None:
         ...
+
+
+class AlgorithmDefaults:
+    """What most algorithms leave as is: metric names from the class's `step_names` table, and no state
+    carried between updates (PPO's KL coefficient and REINFORCE's moving baseline override the last three)."""
+
+    step_names: dict[str, str] = {}  # averaged loss stat -> its metric name (TRL's where TRL has one)
+
+    def step_metrics(self, stats: dict) -> dict:
+        return {self.step_names[k]: v for k, v in stats.items() if k in self.step_names}
+
+    def after_update(self, batch: ScoredRollout) -> None:
+        pass
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass

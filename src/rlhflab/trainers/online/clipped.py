@@ -93,10 +93,6 @@ STEP_NAMES = {"loss": "loss", "kl": "kl", "clip_ratio/low_mean": "clip_ratio/low
               "grad_norm": "grad_norm"}
 
 
-def step_metrics(stats: dict) -> dict:
-    return {STEP_NAMES[k]: v for k, v in stats.items() if k in STEP_NAMES}
-
-
 def sequence_advantages(per_response: Tensor, mask: Tensor) -> Tensor:
     """(B,) -> (B, T): each response's advantage on its real tokens, 0 elsewhere."""
     return torch.where(mask, per_response.unsqueeze(1).expand_as(mask), torch.zeros((), dtype=per_response.dtype))
