@@ -257,6 +257,7 @@ def test_verdict_says_which_gain_is_beyond_noise():
 
 
 def test_demo_compare_runs_after_the_demo_and_joins_its_summary(tmp_path, monkeypatch):
+    import rlhflab.compare.demo_step
     import rlhflab.demo
 
     calls = []
@@ -277,7 +278,7 @@ def test_demo_compare_runs_after_the_demo_and_joins_its_summary(tmp_path, monkey
                                     "wall_time_s": {"total": 50.0}})
 
     monkeypatch.setattr(rlhflab.demo, "run_demo", fake_demo)
-    monkeypatch.setattr(compare, "run_compare", fake_compare)
+    monkeypatch.setattr(rlhflab.compare.demo_step, "run_compare", fake_compare)  # where the demo step calls it
     cfg = DemoConfig(output_dir=str(tmp_path / "demo"), compare=True, seed=7, threads=1, num_test_prompts=12)
     result = compare.run_demo_with_comparison(cfg)
     assert calls[0] == "demo"
