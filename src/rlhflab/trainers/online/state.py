@@ -3,10 +3,10 @@
 Weights: every trainable tensor of the roles (the full policy, or its LoRA adapters;
 the value head / value model / value adapter); the frozen base and reference come back
 from `cfg.model`. State: AdamW and LR schedule, the algorithm's own (PPO's KL controller,
-REINFORCE's moving baseline), the RNGs (global
-ones and the loop's `order` / `sampler` generators), the loop's position (update,
-episode, the rest of the shuffled prompt order) and the last metrics the summary needs,
-and the monitor's side (alarms, the rows it saw, the best policy so far).
+REINFORCE's moving baseline), the RNGs (global ones and the loop's `order` / `sampler`
+generators), the loop's position (update, episode, the rest of the shuffled prompt order),
+the wall-time split `max_seconds` reads, the last metrics the summary needs, and the
+monitor's side (alarms, the rows it saw, the best policy so far).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def role_modules(roles: PolicyRoles) -> dict[str, torch.nn.Module]:
 
 
 def pack_online(roles: PolicyRoles, optimizer, scheduler, algorithm, generators: dict[str, torch.Generator],
-             progress: Progress, watch: RunWatch) -> tuple[dict[str, torch.Tensor], dict]:
+                progress: Progress, watch: RunWatch) -> tuple[dict[str, torch.Tensor], dict]:
     state = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
              "algorithm": algorithm.state_dict(), "rng": rng_state(generators),
              "progress": dict(vars(progress)), "watch": watch.state_dict()}
@@ -51,7 +51,7 @@ def pack_online(roles: PolicyRoles, optimizer, scheduler, algorithm, generators:
 
 
 def unpack_online(resumed: Resumed, roles: PolicyRoles, optimizer, scheduler, algorithm,
-               generators: dict[str, torch.Generator], watch: RunWatch) -> Progress:
+                  generators: dict[str, torch.Generator], watch: RunWatch) -> Progress:
     """Put a checkpoint back into freshly built roles / optimiser / ...; returns the loop's position."""
     state = resumed.state
     load_trainable_weights(role_modules(roles), resumed.weights, str(resumed.checkpoint / "model.safetensors"))
