@@ -62,6 +62,15 @@ def hand_batch(scores, valid, lengths, kl_rows, group: int, width: int = 3) -> S
     return ScoredRollout(rollout, torch.tensor(scores), valid, mask, kl, group)
 
 
+# two groups of 4: a reward failed on rows 2, 5, 6, 7 (group 2 keeps one scored sample)
+GROUPS_WITH_FAILURES = dict(
+    scores=[1.0, 2.0, 0.0, 6.0, 3.0, 0.0, 0.0, 0.0], valid=[True, True, False, True, True, False, False, False],
+    lengths=[3, 2, 3, 1, 2, 3, 1, 3],
+    kl_rows=[[0.0, 0.0, 0.0], [1.0, 1.0, 0.0], [5.0, 5.0, 5.0], [0.0, 0.0, 0.0],
+             [4.0, 0.0, 0.0], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]],
+    group=4)
+
+
 def whole_step(batch: ScoredRollout, cfg) -> StepShare:
     tokens = batch.mask.sum().item()
     return StepShare(tokens=tokens, rows=batch.rollout.batch_size, rollout_tokens=tokens,

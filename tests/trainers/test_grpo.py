@@ -7,8 +7,8 @@ import math
 
 import pytest
 import torch
-from critic_free import (check_accumulation_equivalence, check_masked_garbage_changes_nothing, digit_share,
-                         grouped_rollout, hand_batch, tiny, update_rows)
+from critic_free import (GROUPS_WITH_FAILURES, check_accumulation_equivalence, check_masked_garbage_changes_nothing,
+                         digit_share, grouped_rollout, hand_batch, tiny, update_rows)
 from tinyhf import save_suite_model
 
 from rlhflab.cli import main
@@ -33,15 +33,8 @@ def grpo_cfg(policy_dir, **overrides) -> GRPOConfig:
     return tiny(GRPOConfig, policy_dir, **{"num_generations": 4, "beta": 0.1, **overrides})
 
 
-# two groups of 4: a reward failed on rows 2, 5, 6, 7 (group 2 keeps one scored sample)
-SCORES, VALID = [1.0, 2.0, 0.0, 6.0, 3.0, 0.0, 0.0, 0.0], [True, True, False, True, True, False, False, False]
-LENGTHS = [3, 2, 3, 1, 2, 3, 1, 3]
-KL_ROWS = [[0.0, 0.0, 0.0], [1.0, 1.0, 0.0], [5.0, 5.0, 5.0], [0.0, 0.0, 0.0],
-           [4.0, 0.0, 0.0], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]]
-
-
 def test_advantages_and_trl_group_metrics_by_hand(policy_dir):
-    batch = hand_batch(SCORES, VALID, LENGTHS, KL_ROWS, group=4)
+    batch = hand_batch(**GROUPS_WITH_FAILURES)
     adv = grpo.GRPO(grpo_cfg(policy_dir, scale_rewards="group")).advantages(batch)
     per_response = torch.tensor([-2.0, -1.0, 0.0, 3.0]) / (math.sqrt(7.0) + 1e-4)  # scored [1, 2, 6]: mean 3
     want = torch.cat([per_response, torch.zeros(4)])  # group 2: one scored sample -> 0
@@ -51,7 +44,7 @@ def test_advantages_and_trl_group_metrics_by_hand(policy_dir):
     assert m["reward"] == pytest.approx(3.0)  # mean of the scored 1, 2, 6, 3
     assert m["reward_std"] == pytest.approx(torch.tensor([1.0, 2.0, 6.0, 3.0]).std().item())  # the rollout's (TRL)
     assert m["frac_reward_zero_std"] == 0.5
-    assert m["completions/mean_length"] == pytest.approx(sum(LENGTHS) / 8)
+    assert m["completions/mean_length"] == pytest.approx(sum(GROUPS_WITH_FAILURES["lengths"]) / 8)
     assert m["entropy"] == pytest.approx(2.0)
     # the batch's std and none (Dr. GRPO): centred by the group mean, scaled by the std of the 4 scored, or not
     batch_std = torch.tensor([1.0, 2.0, 6.0, 3.0]).std().item()
@@ -62,7 +55,7 @@ def test_advantages_and_trl_group_metrics_by_hand(policy_dir):
 
 
 def test_kl_in_the_reward_subtracts_beta_times_the_sequence_kl(policy_dir):
-    batch = hand_batch(SCORES, VALID, LENGTHS, KL_ROWS, group=4)
+    batch = hand_batch(**GROUPS_WITH_FAILURES)
     algorithm = grpo.GRPO(grpo_cfg(policy_dir, kl_in_reward=True, beta=0.5, scale_rewards="none"))
     assert algorithm.settings.kl_loss_coef == 0.0  # no k3 loss term then
     adv = algorithm.advantages(batch)

@@ -6,8 +6,8 @@ import math
 
 import pytest
 import torch
-from critic_free import (check_accumulation_equivalence, check_masked_garbage_changes_nothing, digit_share,
-                         hand_batch, tiny, update_rows)
+from critic_free import (GROUPS_WITH_FAILURES, check_accumulation_equivalence, check_masked_garbage_changes_nothing,
+                         digit_share, hand_batch, tiny, update_rows)
 from tinyhf import save_suite_model
 
 from rlhflab.cli import main
@@ -30,15 +30,9 @@ def reinforce_cfg(policy_dir, **overrides) -> REINFORCEConfig:
 
 # --- RLOO ---------------------------------------------------------------------------------------------------
 
-# two groups of 4: a reward failed on rows 2, 5, 6, 7 (group 2 keeps one scored sample)
-SCORES, VALID = [1.0, 2.0, 0.0, 6.0, 3.0, 0.0, 0.0, 0.0], [True, True, False, True, True, False, False, False]
-LENGTHS = [3, 2, 3, 1, 2, 3, 1, 3]
-KL_ROWS = [[0.0, 0.0, 0.0], [1.0, 1.0, 0.0], [5.0, 5.0, 5.0], [0.0, 0.0, 0.0],
-           [4.0, 0.0, 0.0], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]]
-
 
 def test_rloo_advantages_by_hand_with_the_kl_in_the_reward(policy_dir):
-    batch = hand_batch(SCORES, VALID, LENGTHS, KL_ROWS, group=4)
+    batch = hand_batch(**GROUPS_WITH_FAILURES)
     adv = rloo.RLOO(rloo_cfg(policy_dir, beta=0.5)).advantages(batch)
     # rewards: 1 - 0.5 * 0, 2 - 0.5 * 2, 6 - 0 = [1, 1, 6] (row 2 failed); 3 - 0.5 * 4 = 1 alone in group 2
     # leave-one-out: 1 - (1 + 6)/2 = -2.5 (twice), 6 - (1 + 1)/2 = 5; no scored sibling -> 0
