@@ -16,6 +16,7 @@ from torch import Tensor
 
 from rlhflab.data import left_pad, position_ids_from_mask
 from rlhflab.models.lean import LeanDecoder, plan_lean_decode
+from rlhflab.models.shared_prompt import distinct_prompts
 
 
 @dataclass(frozen=True)
@@ -118,7 +119,13 @@ def prefill(model, query_ids: Tensor, query_mask: Tensor, positions: Tensor, max
     """Run the prompts: (B, V) logits for the first new token, and a function (B,) token -> next (B, V) logits."""
     plan = plan_lean_decode(model) if lean else None
     if plan is not None:
-        decoder = LeanDecoder(plan, query_ids, query_mask, positions, max_new_tokens)
+        groups = distinct_prompts(query_ids, query_mask)  # k answers per prompt: prefill each prompt once
+        if groups is None:
+            decoder = LeanDecoder(plan, query_ids, query_mask, positions, max_new_tokens)
+        else:
+            first, rows = groups
+            decoder = LeanDecoder(plan, query_ids[first], query_mask[first], positions[first], max_new_tokens)
+            decoder.repeat_rows(rows)
         return decoder.logits, decoder.step
     attention = query_mask.long()
     out = model(input_ids=query_ids, attention_mask=attention, position_ids=positions, use_cache=True, logits_to_keep=1)

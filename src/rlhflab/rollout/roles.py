@@ -106,8 +106,22 @@ class PolicyRoles:
                     output_hidden_states=hidden, logits_to_keep=keep)
         return out.logits, out.hidden_states[-1] if hidden else None
 
+    def _shared_prompt_logits(self, model, query_ids, query_mask, response_ids, response_mask) -> Tensor | None:
+        """(B, T, V) response logits with each distinct prompt run once (k answers per prompt:
+        models/shared_prompt.py), or None when no prompt repeats or the model is not a Llama layout."""
+        plan = models.plan_lean(model, allow_training=True) if self.lean else None
+        groups = models.distinct_prompts(query_ids, query_mask) if plan is not None and plan.lm_head else None
+        if groups is None:
+            return None
+        return models.shared_prompt_logits(plan, query_ids, query_mask, response_ids, response_mask, *groups)
+
     def policy_forward(self, query_ids, query_mask, response_ids, response_mask) -> tuple[Tensor, Tensor | None]:
         """Logits predicting each response token (B, T, V) and, for a shared trunk, values (B, T)."""
+        if self.value_mode == "none":
+            with self._policy_adapter():
+                logits = self._shared_prompt_logits(self.policy, query_ids, query_mask, response_ids, response_mask)
+            if logits is not None:
+                return logits, None
         input_ids, attention, positions = joined(query_ids, query_mask, response_ids, response_mask)
         start = query_ids.shape[1] - 1
         keep = response_ids.shape[1] + 1  # the LM head runs on the last prompt position and the responses only
@@ -142,11 +156,16 @@ class PolicyRoles:
         """log pi_ref(a_t|s_t) for every response token (B, T), computed once per rollout."""
         input_ids, attention, positions = joined(query_ids, query_mask, response_ids, response_mask)
         keep = response_ids.shape[1] + 1  # the LM head runs on the last prompt position and the responses only
+        args = (query_ids, query_mask, response_ids, response_mask)
         if self.lora:
             with models.adapters_off(self.policy):
-                logits, _ = self._lm(self.policy, input_ids, attention, positions, keep, False)
+                logits = self._shared_prompt_logits(self.policy, *args) if self.value_mode == "none" else None
+                if logits is None:
+                    logits = self._lm(self.policy, input_ids, attention, positions, keep, False)[0][:, -keep:-1]
         else:
             reference = self.reference if self.reference is not None else self.load_reference()
-            logits, _ = self._lm(reference, input_ids, attention, positions, keep, False)
+            logits = self._shared_prompt_logits(reference, *args) if self.value_mode == "none" else None
+            if logits is None:
+                logits = self._lm(reference, input_ids, attention, positions, keep, False)[0][:, -keep:-1]
             del reference  # with reference_mode=reload nothing keeps it alive after this call
-        return selective_log_softmax(logits[:, -keep:-1], response_ids, temperature)
+        return selective_log_softmax(logits, response_ids, temperature)
