@@ -66,7 +66,7 @@ def test_generation_prefills_each_prompt_once_and_samples_each_answer_on_its_own
     first, rows = models.distinct_prompts(out.query_ids, out.query_mask)
     shared = models.lean.LeanDecoder(plan, out.query_ids[first], out.query_mask[first],
                                      data.position_ids_from_mask(out.query_mask[first]), 4)
-    shared.repeat_rows(rows)
+    shared.select_rows(rows)
     torch.testing.assert_close(shared.logits, decoder.logits, rtol=0, atol=1e-5)
     token = out.response_ids[:, 0]
     torch.testing.assert_close(shared.step(token), decoder.step(token), rtol=0, atol=1e-5)

@@ -253,9 +253,9 @@ class LeanDecoder:
         self.cos, self.sin = rotary_tables(plan, upcoming)
         self.groups = plan.num_heads // plan.num_kv_heads
 
-    def repeat_rows(self, rows: Tensor) -> None:
-        """Make the batch rows `rows` of the prefilled ones (each distinct prompt prefilled once, then given
-        to each of its answers: models/shared_prompt.py)."""
+    def select_rows(self, rows: Tensor) -> None:
+        """Decode rows `rows` of the current ones from now on: each distinct prompt prefilled once, then given
+        to each of its answers (models/shared_prompt.py), or the rows still unfinished (rollout/generate.py)."""
         self.keys = [k[rows] for k in self.keys]
         self.values = [v[rows] for v in self.values]
         self.key_bias, self.cos, self.sin, self.logits = (t[rows] for t in (self.key_bias, self.cos, self.sin,

@@ -52,8 +52,12 @@ def filter_logits(logits: Tensor, top_k: int, top_p: float) -> Tensor:
     return logits
 
 
-def next_tokens(logits: Tensor, settings: GenerationSettings, generator: torch.Generator | None) -> Tensor:
-    """Pick one token per row from last-position logits (B, V) -> (B,)."""
+def next_tokens(logits: Tensor, settings: GenerationSettings, generator: torch.Generator | None,
+                rows: Tensor | None = None, batch: int = 0) -> Tensor:
+    """Pick one token per row from last-position logits (B, V) -> (B,).
+
+    `rows`: which rows of a `batch`-row decoding the logits belong to (finished rows were dropped): the
+    sampling noise is still drawn for all `batch` rows, so a row's tokens do not depend on which others run."""
     if not settings.do_sample:
         return logits.argmax(dim=-1)
     logits = filter_logits(logits.float() / settings.temperature, settings.top_k, settings.top_p)
@@ -63,7 +67,10 @@ def next_tokens(logits: Tensor, settings: GenerationSettings, generator: torch.G
         return torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(probs.device)
     # torch.multinomial(probs, 1) without its input checks (a max, a min and a sync per step):
     # the same exponential race, argmax(probs / Exp(1)), so the same tokens from the same generator
-    race = torch.empty_like(probs).exponential_(generator=generator)
+    if rows is None:
+        race = torch.empty_like(probs).exponential_(generator=generator)
+    else:
+        race = probs.new_empty((batch, probs.shape[1])).exponential_(generator=generator)[rows]
     return torch.div(probs, race, out=race).argmax(dim=-1)
 
 
@@ -99,15 +106,23 @@ def generate(
     batch = query_ids.shape[0]
     attention = query_mask.long()
     positions = position_ids_from_mask(attention)
-    logits, step = prefill(model, query_ids, query_mask, positions, settings.max_new_tokens, lean)
+    logits, step, select_rows = prefill(model, query_ids, query_mask, positions, settings.max_new_tokens, lean)
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
+    live = torch.arange(batch, device=device)  # the rows `logits` and `step` still decode
     tokens: list[Tensor] = []
     for _ in range(settings.max_new_tokens):
-        token = next_tokens(logits, settings, generator).masked_fill(finished, pad_id)
-        tokens.append(token)
-        finished |= token == eos_id
+        token = next_tokens(logits, settings, generator, live, batch).masked_fill(finished[live], pad_id)
+        tokens.append(torch.full((batch,), pad_id, dtype=token.dtype, device=device).index_copy_(0, live, token))
+        finished[live] |= token == eos_id
         if bool(finished.all()):
             break
+        going = ~finished[live]
+        if select_rows is not None and int(going.sum()) <= 0.75 * len(live):
+            # drop finished rows from the decoder: a step's cost follows the rows it runs (4.3 ms at 32 rows,
+            # 2.2 at 8 on the benchmark model), and short answers finish long before the longest
+            kept = going.nonzero().squeeze(1)
+            select_rows(kept)
+            live, token = live[kept], token[kept]
         logits = step(token)
     response_ids = torch.stack(tokens, dim=1)  # (B, T)
     response_mask = response_mask_after_eos(response_ids, eos_id)
@@ -116,7 +131,8 @@ def generate(
 
 
 def prefill(model, query_ids: Tensor, query_mask: Tensor, positions: Tensor, max_new_tokens: int, lean: bool):
-    """Run the prompts: (B, V) logits for the first new token, and a function (B,) token -> next (B, V) logits."""
+    """Run the prompts: (B, V) logits for the first new token, a function (B,) token -> next (B, V) logits,
+    and one that keeps only some rows in the decoding from then on (None: the model's own cache cannot)."""
     plan = plan_lean_decode(model) if lean else None
     if plan is not None:
         groups = distinct_prompts(query_ids, query_mask)  # k answers per prompt: prefill each prompt once
@@ -125,8 +141,8 @@ def prefill(model, query_ids: Tensor, query_mask: Tensor, positions: Tensor, max
         else:
             first, rows = groups
             decoder = LeanDecoder(plan, query_ids[first], query_mask[first], positions[first], max_new_tokens)
-            decoder.repeat_rows(rows)
-        return decoder.logits, decoder.step
+            decoder.select_rows(rows)
+        return decoder.logits, decoder.step, decoder.select_rows
     attention = query_mask.long()
     out = model(input_ids=query_ids, attention_mask=attention, position_ids=positions, use_cache=True, logits_to_keep=1)
     cache_kw = cache_argument(model)
@@ -140,7 +156,7 @@ def prefill(model, query_ids: Tensor, query_mask: Tensor, positions: Tensor, max
         state["cache"] = returned_cache(out)
         return out.logits[:, -1, :]
 
-    return out.logits[:, -1, :], hf_step
+    return out.logits[:, -1, :], hf_step, None
 
 
 def response_mask_after_eos(response_ids: Tensor, eos_id: int) -> Tensor:
