@@ -292,7 +292,10 @@ def machine_lines(threads_list: list[int]) -> list[str]:
         out = subprocess.run([str(TRL_PYTHON), "-c", code], capture_output=True, text=True).stdout.split()
         names = ("trl", "torch", "transformers", "peft", "accelerate", "datasets")
         trl_versions = ", ".join(f"{n} {v}" for n, v in zip(names, out)) if len(out) == len(names) else "?"
-    return [f"machine: {cpu}, {os.cpu_count()} CPUs visible, {platform.system()} {platform.release()}",
+    git = lambda *a: subprocess.run(["git", *a], cwd=HERE, capture_output=True, text=True).stdout.strip()  # noqa: E731
+    dirty = " + uncommitted changes under src/" if git("status", "--porcelain", "--", str(SRC)) else ""
+    return [f"rlhflab: commit {git('rev-parse', '--short', 'HEAD')}{dirty}",
+            f"machine: {cpu}, {os.cpu_count()} CPUs visible, {platform.system()} {platform.release()}",
             f"threads: {threads_list} (torch.set_num_threads and OMP_NUM_THREADS in every child), "
             f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}",
             f"rlhflab side: torch {torch.__version__}, transformers {transformers.__version__}, peft {peft.__version__}, "
