@@ -8,14 +8,14 @@ from rlhflab.rollout.generate import GenerationSettings, generate
 from rlhflab.rollout.roles import joined
 
 
-def tiny_rollout(arch: str, group: int = 4):
-    """A tiny model and 3 prompts x `group` sampled answers (ragged prompts and answers)."""
+def tiny_rollout(arch: str, group: int = 4, prompts: int = 3):
+    """A tiny model and `prompts` prompts x `group` sampled answers (ragged prompts and answers)."""
     tokenizer = models.build_tokenizer(tasks.template_corpus(), vocab_size=256)
     model = models.build_tiny_model(tokenizer, arch=arch, hidden_size=32, num_layers=2, num_heads=4,
                                     intermediate_size=64, seed=0)
-    items = tasks.build_splits(0, 22, 11, 11)["train"][:3]
-    prompts = data.encode_prompts(tokenizer, [i.prompt for i in items for _ in range(group)])
-    out = generate(model, prompts, pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id,
+    items = tasks.build_splits(0, 22, 11, 11)["train"][:prompts]
+    ids = data.encode_prompts(tokenizer, [i.prompt for i in items for _ in range(group)])
+    out = generate(model, ids, pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id,
                    settings=GenerationSettings(8, True, 1.0), generator=torch.Generator().manual_seed(0))
     return model, out
 
@@ -36,14 +36,15 @@ def test_distinct_prompts_finds_each_prompt_and_its_rows():
     assert models.distinct_prompts(ids[1:3], mask[1:3]) is None  # no prompt repeats: nothing to share
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_shared_prompt_logits_and_gradients_equal_the_plain_forward(arch):
-    model, out = tiny_rollout(arch)
+@pytest.mark.parametrize(("arch", "prompts"), [("llama", 3), ("qwen2", 3), ("llama", 8)])
+def test_shared_prompt_logits_and_gradients_equal_the_plain_forward(arch, prompts):
+    """3 prompts x 4: one block of answers; 8 x 4: four blocks of answers sorted by length."""
+    model, out = tiny_rollout(arch, prompts=prompts)
     model.train(True)
     models.disable_dropout(model)
     plan = models.plan_lean(model, allow_training=True)
     groups = models.distinct_prompts(out.query_ids, out.query_mask)
-    assert len(groups[0]) == 3
+    assert len(groups[0]) == prompts
     mask = out.response_mask
     plain = joined_logits(plan, out)
     shared = models.shared_prompt_logits(plan, out.query_ids, out.query_mask, out.response_ids, mask, *groups)
@@ -53,7 +54,7 @@ def test_shared_prompt_logits_and_gradients_equal_the_plain_forward(arch):
     g_plain = torch.autograd.grad((plain[mask] * weights).sum(), params)
     g_shared = torch.autograd.grad((shared[mask] * weights).sum(), params)
     for a, b in zip(g_plain, g_shared):
-        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)  # the sum over a prompt's answers, reordered
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)  # sums over answers reordered; grads are ~1e2
 
 
 def test_generation_prefills_each_prompt_once_and_samples_each_answer_on_its_own():

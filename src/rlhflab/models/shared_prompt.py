@@ -10,6 +10,8 @@ through a shared prompt is the sum over its answers, as it is when every copy ru
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -33,10 +35,42 @@ def _attention(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, scaling: float,
     return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scaling, enable_gqa=gqa)
 
 
+@dataclass
+class _Chunk:
+    """Rows of similar answer length, run as one block cut at their longest answer."""
+
+    rows: Tensor  # (b,) rows of the batch
+    prompt: Tensor  # (b,) each row's distinct prompt
+    ids: Tensor  # (b, t) answer tokens
+    allowed: Tensor  # (b, 1, t, P + t) keys each answer token reads
+    cos: Tensor
+    sin: Tensor
+    h: Tensor  # (b, t, H) the running hidden states
+
+
+def _chunks(plan: LeanPlan, query_mask: Tensor, response_ids: Tensor, response_mask: Tensor, inverse: Tensor,
+            count: int) -> list[_Chunk]:
+    """The batch's rows sorted by answer length, cut into `count` blocks: answers are padded to the longest
+    in their block only (a batch's mean answer is often a third of its longest)."""
+    lengths = response_mask.sum(dim=1)
+    chunks = []
+    for rows in torch.argsort(lengths, stable=True).chunk(count):
+        t = max(int(lengths[rows].max()), 1)
+        ids, mask, prompt_mask = response_ids[rows, :t], response_mask[rows, :t], query_mask[rows]
+        positions = prompt_mask.long().sum(dim=1, keepdim=True) + torch.arange(t, device=ids.device)
+        cos, sin = rotary_tables(plan, positions)
+        # an answer token reads its prompt's real tokens and the real answer tokens up to itself
+        allowed = torch.cat([prompt_mask.bool()[:, None, :].expand(len(rows), t, prompt_mask.shape[1]),
+                             causal_allowed(mask)], dim=2).unsqueeze(1)
+        chunks.append(_Chunk(rows, inverse[rows], ids, allowed, cos, sin, F.embedding(ids, plan.embed)))
+    return chunks
+
+
 def shared_prompt_logits(plan: LeanPlan, query_ids: Tensor, query_mask: Tensor, response_ids: Tensor,
                          response_mask: Tensor, first: Tensor, inverse: Tensor) -> Tensor:
     """(B, T, V) logits predicting each response token (those at the last prompt position and at every
-    response token but the last), the prompts run once per distinct prompt (`distinct_prompts`).
+    response token but the last), the prompts run once per distinct prompt (`distinct_prompts`); 0 past
+    a row's block (see `_chunks`; those positions are past its answer, masked by every caller).
 
     The left-padded prompts (B, P) and right-padded responses (B, T) are the rollout's; attention is
     causal over real tokens, as `lean_hidden` on the joined rows."""
@@ -45,31 +79,32 @@ def shared_prompt_logits(plan: LeanPlan, query_ids: Tensor, query_mask: Tensor, 
     n, p = prompt_ids.shape
     batch, t = response_ids.shape
     prompt_positions = (prompt_mask.long().cumsum(dim=1) - 1).clamp(min=0)
-    response_positions = query_mask.long().sum(dim=1, keepdim=True) + torch.arange(t, device=response_ids.device)
     prompt_cos, prompt_sin = rotary_tables(plan, prompt_positions)
-    cos, sin = rotary_tables(plan, response_positions)
     prompt_allowed = causal_allowed(prompt_mask).unsqueeze(1)  # (N, 1, P, P)
-    # a response token reads its prompt's real tokens and the real response tokens up to itself
-    own = causal_allowed(response_mask)  # (B, T, T)
-    allowed = torch.cat([query_mask.bool()[:, None, :].expand(batch, t, p), own], dim=2).unsqueeze(1)
+    chunks = _chunks(plan, query_mask, response_ids, response_mask, inverse, max(1, min(4, batch // 8)))
     gqa = heads != kv_heads
     h_prompt = F.embedding(prompt_ids, plan.embed)
-    h = F.embedding(response_ids, plan.embed)
     for layer in plan.layers:
         x = layer.input_norm(h_prompt)
         q = _rope(layer.q(x).view(n, p, heads, dim).transpose(1, 2), prompt_cos, prompt_sin)
         k_prompt = _rope(layer.k(x).view(n, p, kv_heads, dim).transpose(1, 2), prompt_cos, prompt_sin)
         v_prompt = layer.v(x).view(n, p, kv_heads, dim).transpose(1, 2)
         attn = _attention(q, k_prompt, v_prompt, prompt_allowed, layer.scaling, gqa)
-        x = layer.input_norm(h)
-        q = _rope(layer.q(x).view(batch, t, heads, dim).transpose(1, 2), cos, sin)
-        k = torch.cat([k_prompt[inverse], _rope(layer.k(x).view(batch, t, kv_heads, dim).transpose(1, 2), cos, sin)], 2)
-        v = torch.cat([v_prompt[inverse], layer.v(x).view(batch, t, kv_heads, dim).transpose(1, 2)], dim=2)
-        response_attn = _attention(q, k, v, allowed, layer.scaling, gqa)
+        for c in chunks:
+            rows, length = len(c.rows), c.ids.shape[1]
+            x = layer.input_norm(c.h)
+            q = _rope(layer.q(x).view(rows, length, heads, dim).transpose(1, 2), c.cos, c.sin)
+            k = _rope(layer.k(x).view(rows, length, kv_heads, dim).transpose(1, 2), c.cos, c.sin)
+            k = torch.cat([k_prompt[c.prompt], k], dim=2)
+            v = torch.cat([v_prompt[c.prompt], layer.v(x).view(rows, length, kv_heads, dim).transpose(1, 2)], dim=2)
+            out = _attention(q, k, v, c.allowed, layer.scaling, gqa)
+            c.h = _feed_forward(layer, c.h + layer.o(out.transpose(1, 2).reshape(rows, length, heads * dim)))
         h_prompt = _feed_forward(layer, h_prompt + layer.o(attn.transpose(1, 2).reshape(n, p, heads * dim)))
-        h = _feed_forward(layer, h + layer.o(response_attn.transpose(1, 2).reshape(batch, t, heads * dim)))
-    last_prompt = plan.norm(h_prompt[:, -1:])[inverse]  # (B, 1, H): predicts the first response token
-    return plan.lm_head(torch.cat([last_prompt, plan.norm(h[:, :-1])], dim=1))
+    last_prompt = plan.norm(h_prompt[:, -1:])  # (N, 1, H): predicts the first response token
+    blocks = [F.pad(plan.lm_head(torch.cat([last_prompt[c.prompt], plan.norm(c.h[:, :-1])], dim=1)),
+                    (0, 0, 0, t - c.ids.shape[1])) for c in chunks]
+    order = torch.cat([c.rows for c in chunks])
+    return torch.cat(blocks)[torch.argsort(order)]
 
 
 def _feed_forward(layer, h: Tensor) -> Tensor:
