@@ -1,0 +1,182 @@
+"""The small shared parts every stage config is assembled from (model, data, optimiser, generation, run ...)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Literal
+
+
+def arg(default: Any, help: str, **extra: Any) -> Any:
+    """A config field with its one-line help (shown by `rlhflab <stage> --help`)."""
+    return dataclasses.field(default=default, metadata={"help": help, **extra})
+
+
+
+# --- shared parts -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RunFields:
+    output_dir: str = arg("", "run folder to write; empty = runs/<stage>-<timestamp>", aliases=["--out"])
+    overwrite: bool = arg(False, "allow writing into a folder that already holds another run")
+    seed: int = arg(0, "seed for model init, data order and sampling")
+    deterministic: bool = arg(False, "torch.use_deterministic_algorithms(True) (warn_only) and, on CUDA, "
+                                     "deterministic cuDNN and CUBLAS_WORKSPACE_CONFIG=:4096:8; recorded in "
+                                     "versions.json")
+    threads: int = arg(0, "torch CPU threads; 0 = all cores (OMP_WAIT_POLICY=PASSIVE is set for you)")
+    log_every: int = arg(10, "write metrics every N optimiser steps")
+    report_to: str = arg("none", "extra metric sinks besides metrics.jsonl: none, or any of tensorboard, wandb, "
+                                 "trackio (comma-separated)")
+    progress: bool = arg(True, "show a progress bar")
+
+
+@dataclass(frozen=True)
+class LoadFields:
+    trust_remote_code: bool = arg(False, "run code shipped with a hub model (off unless you trust it)")
+    dtype: str = arg("float32", "weights dtype: float32, bfloat16, float16 or auto")
+    device: str = arg("auto", "where models run: auto (cuda if available), cpu, cuda, cuda:1 ...")
+
+
+@dataclass(frozen=True)
+class ModelFields(LoadFields):
+    model: str = arg("", "causal LM: local folder or hub id; empty = build the tiny default model")
+    tokenizer: str = arg("", "tokenizer folder or hub id; empty = the model's own")
+
+
+@dataclass(frozen=True)
+class TinyModelFields:
+    arch: str = arg("llama", "tiny model architecture: llama, gpt2, qwen2 or gpt_neox")
+    hidden_size: int = arg(96, "tiny model width")
+    num_layers: int = arg(3, "tiny model depth")
+    num_heads: int = arg(4, "tiny model attention heads")
+    intermediate_size: int = arg(256, "tiny model MLP width")
+    vocab_size: int = arg(384, "BPE vocabulary size of the tiny tokenizer")
+
+
+@dataclass(frozen=True)
+class SuiteFields:
+    split_seed: int = arg(0, "seed of the built-in suite's train/validation/test split")
+    num_train_prompts: int = arg(400, "built-in suite: prompts in the train split")
+    num_validation_prompts: int = arg(100, "built-in suite: prompts in the validation split")
+    num_test_prompts: int = arg(100, "built-in suite: prompts in the test split")
+    sft_examples: int = arg(20000, "built-in suite: SFT demonstrations drawn from the train split's content")
+    violation_fraction: float = arg(0.75, "built-in suite: share of SFT demonstrations that violate the format")
+    dominant_share: float = arg(0.75, "built-in suite: share of violations that are the family's dominant kind")
+
+
+@dataclass(frozen=True)
+class DatasetFields:
+    """How a data file or dataset name is read (rlhflab.data.load)."""
+
+    dataset_split: str = arg("train", "split of --train_file when it is a datasets name or folder with splits; "
+                                      "NAME:SPLIT in --train_file / --validation_file picks one for that file "
+                                      "(e.g. trl-lib/tldr:validation); --validation_file without one uses its "
+                                      "only split")
+    dataset_config: str = arg("", "configuration (subset) of a datasets name in --train_file / --validation_file; "
+                                  "empty = its default")
+    max_prompt_tokens: int = arg(96, "prompts longer than this are bad rows")
+    strict: bool = arg(False, "fail on the first bad data row instead of dropping bad rows")
+
+
+@dataclass(frozen=True)
+class DataFields(DatasetFields):
+    train_file: str = arg("", "training data in any of TRL's formats (README \"Data formats\"): JSONL, Parquet, "
+                              "a datasets folder or a datasets name (hub id); empty = built-in suite")
+    validation_file: str = arg("", "validation data, same formats; empty = built-in suite's validation split")
+    max_length: int = arg(160, "prompt + completion tokens per training sequence")
+
+
+@dataclass(frozen=True)
+class PromptFileFields(DatasetFields):
+    """Prompts of the online stages (rlhflab.sources): a user's file or dataset, else the built-in suite."""
+
+    train_file: str = arg("", "training prompts in TRL's prompt-only format (or any format with a prompt; README "
+                              "\"Data formats\"): JSONL, Parquet, a datasets folder or name; other columns go to "
+                              "reward / verifier functions; empty = built-in suite")
+    validation_file: str = arg("", "validation prompts, same formats; empty = a seeded slice of the train prompts "
+                                   "(or the suite's validation split)")
+
+
+@dataclass(frozen=True)
+class RewardFunctionFields:
+    """A practitioner's reward and verifier functions (TRL's reward_funcs signature; README "Your own data")."""
+
+    reward_fn: str = arg("", "your reward functions, comma-separated FILE.py:NAME or package.module:NAME; called as "
+                             "fn(prompts, completions, **columns) -> list of float or None (None: row left out)")
+    reward_weights: str = arg("", "comma-separated weights of the --reward_fn functions; empty = 1 each")
+    verifier: str = arg("", "pass / fail function (same signature, returns bools) that validation, alarms, stopping "
+                            "and keep_best read; 'checker' = the suite's checker; empty = the checker on the suite, "
+                            "none on your own prompts (then the held-out signal is the reward itself)")
+
+
+@dataclass(frozen=True)
+class OptimFields:
+    learning_rate: float = arg(2e-3, "peak AdamW learning rate")
+    weight_decay: float = arg(0.0, "AdamW weight decay")
+    adam_beta1: float = arg(0.9, "AdamW beta1")
+    adam_beta2: float = arg(0.95, "AdamW beta2")
+    adam_eps: float = arg(1e-8, "AdamW epsilon")
+    lr_schedule: Literal["cosine", "linear", "constant"] = arg("cosine", "decay after warmup")
+    warmup_steps: int = arg(100, "linear warmup steps")
+    max_grad_norm: float = arg(1.0, "clip the global gradient norm to this; 0 = off")
+    gradient_accumulation_steps: int = arg(1, "micro-batches per optimiser step")
+
+
+@dataclass(frozen=True)
+class GenerationFields:
+    max_new_tokens: int = arg(32, "response-length cap in tokens")
+    do_sample: bool = arg(False, "sample (True) or greedy decoding (False) in evaluation")
+    temperature: float = arg(1.0, "sampling temperature")
+    top_k: int = arg(0, "keep the k most likely tokens when sampling; 0 = off")
+    top_p: float = arg(1.0, "nucleus sampling mass; 1.0 = off")
+    eval_batch_size: int = arg(100, "prompts per generation batch in evaluation")
+
+
+@dataclass(frozen=True)
+class CheckpointFields:
+    """Checkpoints, resume and non-finite guards (rlhflab.checkpoint; README "Checkpoints and resume")."""
+
+    save_every: int = arg(0, "write RUN/checkpoints/step-N every N optimiser steps (PPO: updates) and at the end; "
+                             "0 = only at the end")
+    keep_last_n: int = arg(2, "complete checkpoints to keep; older ones are deleted once a newer one is complete; "
+                              "0 = keep all")
+    resume: str = arg("", "continue a run: 'latest' (newest complete checkpoint in --output_dir) or a "
+                          "RUN/checkpoints/step-N folder; empty = start fresh")
+    allow_config_change: bool = arg(False, "resume even though the config differs from the run's config.yaml "
+                                           "(the differences are recorded in summary.json)")
+    nonfinite: Literal["stop", "skip"] = arg(
+        "stop", "on a non-finite loss, gradient norm or advantage: stop (naming step and rows; no checkpoint "
+                "after it) or skip (drop that optimiser update, count it in nonfinite/skipped_updates)")
+
+
+@dataclass(frozen=True)
+class LoraFields:
+    lora_r: int = arg(0, "LoRA rank of the policy; 0 = full fine-tuning")
+    lora_alpha: int = arg(16, "LoRA alpha (scale = alpha / r)")
+    lora_dropout: float = arg(0.0, "LoRA dropout (kept 0 in RL: dropout makes ratio != 1 at the first step)")
+    lora_target_modules: str = arg("all-linear", "modules LoRA adapts: all-linear or comma-separated names")
+
+
+@dataclass(frozen=True)
+class MonitorFields:
+    """Training alarms and the stopping rule (rlhflab.eval.alarms / .stopping; README "Alarms and stopping")."""
+
+    stop_patience: int = arg(0, "stop when val/pass_rate has not risen by stop_min_delta over its best in this "
+                                "many evaluations (every eval_every updates); 0 = never stop early")
+    stop_min_delta: float = arg(0.01, "smallest rise of val/pass_rate over its best that counts as an improvement")
+    stop_on_alarms: str = arg("", "alarms that stop the run, comma-separated: reward_hacking, length_drift, "
+                                  "mode_collapse, training_health, or all; empty = alarms only warn")
+    keep_best: bool = arg(True, "keep the policy of the best val/pass_rate and save it if the run stops early "
+                                "or ends below it")
+    score_rise_bound: float = arg(0.25, "alarm reward_hacking: objective/scores up by this much since the best "
+                                       "evaluation while 3 evaluations in a row did not beat its pass rate")
+    kl_rate_bound: float = arg(1.5, "alarm reward_hacking: objective/kl growing faster than this many nats per "
+                                    "1,000 episodes (slope over the last 20 updates)")
+    kl_cap: float = arg(10.0, "alarm reward_hacking: objective/kl (median of 5 updates) above this many nats")
+    length_drift_bound: float = arg(0.5, "alarm length_drift: mean response length moved by more than this "
+                                         "fraction of its start")
+    capped_share_bound: float = arg(0.3, "alarm length_drift: share of responses hitting the length cap above this")
+    min_distinct_ratio: float = arg(0.5, "alarm mode_collapse: response/distinct_2 below this fraction of its start")
+    duplicate_share_bound: float = arg(0.5, "alarm mode_collapse: share of duplicate responses above this")
+    min_entropy_ratio: float = arg(0.2, "alarm mode_collapse: objective/entropy below this fraction of its start")

@@ -1,0 +1,145 @@
+"""The online methods' configs: what PPO, GRPO, RLOO, REINFORCE and online DPO share, and each one's own fields."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from rlhflab.config.fields import (CheckpointFields, GenerationFields, LoraFields, ModelFields, MonitorFields,
+                                   OptimFields, PromptFileFields, RewardFunctionFields, RunFields, SuiteFields, arg)
+
+
+@dataclass(frozen=True)
+class OnlineFields(MonitorFields, CheckpointFields, RunFields, ModelFields, SuiteFields, PromptFileFields,
+                   RewardFunctionFields, LoraFields, OptimFields, GenerationFields):
+    """What every online method (PPO, GRPO, RLOO, REINFORCE, online DPO) shares: the roles, the reward,
+    the rollout cycle, evaluation during the run (trainers/online/loop.py)."""
+
+    # the roles
+    reference: str = arg("", "reference model folder; empty = the policy's starting weights")
+    reward: Literal["auto", "checker", "model", "combined", "random"] = arg(
+        "auto", "reward source: auto = the reward model and/or --reward_fn functions when given, else the suite's "
+                "checker; checker / model / combined (checker + model) / random; --reward_fn adds to any of them")
+    reward_model: str = arg("", "reward model folder (sequence classifier with one output)")
+    checker_weight: float = arg(1.0, "weight of the checker reward in reward=combined")
+    reward_model_weight: float = arg(1.0, "weight of the reward model in reward=combined")
+    reward_shift: float = arg(0.0, "reward-model scores are (score - shift) / scale")
+    reward_scale: float = arg(1.0, "reward-model scores are (score - shift) / scale")
+    normalize_reward: bool = arg(False, "set shift/scale so the starting policy's answers score mean 0, std 1")
+    calibration_prompts: int = arg(64, "train prompts answered by the starting policy to normalise the reward model")
+    reference_mode: Literal["resident", "reload"] = arg(
+        "resident", "keep a reference copy in memory, or reload it for each rollout's log-probs and free it")
+    lora_merge_generation: bool = arg(
+        False, "LoRA: sample rollouts with the adapter merged into temporary weight copies (somewhat faster "
+               "decoding; costs one extra copy of the adapted weights while generating; originals restored bit for bit)")
+    reuse_rollout_forward: bool = arg(
+        True, "with one minibatch of one micro-batch: keep the rollout's policy forward (with its autograd graph) "
+              "as the first training step's forward instead of repeating it (its activations stay alive during scoring)")
+    mmap_threshold_mib: int = arg(
+        0, "CPU memory (glibc): allocations of at least this many MiB are mmapped and handed back to the OS when "
+           "freed, which lowers peak RSS for big models (1 is a good value at ~25M+ parameters); 0 = malloc's default")
+    # the cycle
+    total_episodes: int = arg(3840, "responses generated over the run")
+    max_seconds: float = arg(0.0, "stop after this many seconds of the run's cycle (updates and evaluations, not "
+                                  "loading); 0 = no limit (rlhflab compare's wall-time budget)")
+    batch_size: int = arg(64, "responses per rollout (one update); with num_generations k: batch_size / k prompts")
+    num_mini_batches: int = arg(1, "minibatches (optimiser steps) each rollout is split into per pass")
+    response_length: int = arg(26, "response-length cap in tokens during rollouts")
+    missing_eos_penalty: float = arg(1.0, "subtracted from the score of a response that hit the length cap")
+    temperature: float = arg(1.0, "sampling temperature of rollouts; log-probs use the same one")
+    # evaluation during the run
+    eval_every: int = arg(10, "validation pass rate every N updates; 0 = start and end only")
+    eval_prompts: int = arg(100, "validation prompts used for the pass rate")
+    sample_prompts: int = arg(8, "fixed validation prompts whose answers go to samples.jsonl at each evaluation")
+    save_every: int = arg(20, "write RUN/checkpoints/step-N every N updates and at the end; 0 = only at the end")
+    console_samples: int = arg(4, "answers to the first N fixed validation prompts logged as a table (prompt, "
+                                  "answer, pass/fail) at each evaluation; 0 = off")
+    # RL optimiser defaults (FACTS.md: lr 3e-4 or 4 epochs blew PPO's KL up)
+    learning_rate: float = arg(1e-4, "peak AdamW learning rate")
+    adam_eps: float = arg(1e-5, "AdamW epsilon")
+    warmup_steps: int = arg(0, "linear warmup in optimiser steps")
+    lr_schedule: Literal["cosine", "linear", "constant"] = arg("linear", "decay after warmup")
+
+
+@dataclass(frozen=True)
+class PPOConfig(OnlineFields):
+    """`rlhflab ppo`: PPO-RLHF with policy, reference, reward and value roles."""
+
+    value_mode: Literal["shared", "separate", "lora_adapter"] = arg(
+        "shared", "value head on the policy trunk, a separate value model, or a 2nd LoRA adapter on the shared base")
+    value_model: str = arg("", "value model init for value_mode=separate; empty = the policy (a reward model also works)")
+    batch_size: int = arg(64, "prompts per rollout (one PPO update), one response each")
+    num_mini_batches: int = arg(2, "minibatches each rollout is split into per PPO epoch")
+    num_ppo_epochs: int = arg(2, "passes over each rollout")
+    cliprange: float = arg(0.2, "policy ratio clip epsilon")
+    cliprange_value: float = arg(0.2, "value clip epsilon around the rollout's values")
+    vf_coef: float = arg(0.1, "weight of the value loss")
+    kl_coef: float = arg(0.05, "beta: per-token KL penalty in the reward (initial value if adaptive)")
+    kl_estimator: Literal["k1", "k2", "k3"] = arg("k1", "per-token KL estimator in the reward")
+    adaptive_kl: bool = arg(False, "adapt kl_coef towards kl_target (Ziegler et al. 2019)")
+    kl_target: float = arg(6.0, "adaptive KL: target KL per sequence (nats)")
+    kl_horizon: int = arg(10000, "adaptive KL: horizon in episodes")
+    gamma: float = arg(1.0, "discount")
+    lam: float = arg(0.95, "GAE lambda")
+    whiten_rewards: bool = arg(False, "whiten per-token rewards before GAE")
+    whiten_advantages: bool = arg(True, "whiten advantages over the rollout")
+
+
+@dataclass(frozen=True)
+class GroupFields:
+    """k samples per prompt and a clipped ratio: what GRPO and RLOO share (TRL's names)."""
+
+    num_generations: int = arg(4, "responses sampled per prompt (the group); batch_size must be a multiple of it")
+    num_iterations: int = arg(1, "mu: optimisation passes over each rollout (> 1 makes the clipped ratio matter)")
+    epsilon: float = arg(0.2, "clip: the ratio is kept within [1 - epsilon, 1 + epsilon_high]")
+    epsilon_high: float = arg(0.0, "upper clip; 0 = epsilon (DAPO's clip-higher: 0.28)")
+
+
+@dataclass(frozen=True)
+class GRPOConfig(GroupFields, OnlineFields):
+    """`rlhflab grpo`: group-relative policy optimisation, no critic (Shao et al. 2024), with TRL's variants."""
+
+    beta: float = arg(0.04, "KL coefficient to the reference: a k3 loss term, or with kl_in_reward a penalty in the reward")
+    kl_in_reward: bool = arg(False, "subtract beta * the sequence KL (k1) from the reward instead of a KL loss term")
+    scale_rewards: Literal["group", "batch", "none"] = arg(
+        "group", "divide centred rewards by the group's std, the batch's std, or not at all (Dr. GRPO)")
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = arg(
+        "dapo", "token aggregation: grpo = mean per response then over responses; bnpo = over the minibatch's tokens; "
+                "dr_grpo = sum / (responses x response_length); dapo = over the whole rollout's tokens")
+    importance_sampling_level: Literal["token", "sequence"] = arg(
+        "token", "ratio per token, or one per response from its mean log-ratio (GSPO)")
+
+
+@dataclass(frozen=True)
+class RLOOConfig(GroupFields, OnlineFields):
+    """`rlhflab rloo`: REINFORCE leave-one-out with k samples per prompt (Ahmadian et al. 2024)."""
+
+    num_iterations: int = arg(2, "passes over each rollout (FACTS.md: 2 worked on the suite)")
+    beta: float = arg(0.05, "KL coefficient: beta * the sequence KL (k1) is subtracted from each response's reward")
+    normalize_advantages: bool = arg(False, "whiten the leave-one-out advantages over the rollout")
+
+
+@dataclass(frozen=True)
+class REINFORCEConfig(OnlineFields):
+    """`rlhflab reinforce`: the policy gradient with a baseline (Williams 1992), no critic, no clipping."""
+
+    baseline: Literal["batch_mean", "moving_average", "leave_one_out"] = arg(
+        "batch_mean", "what is subtracted from each return: the batch's mean score, a moving average of past "
+                      "batches' means, or the mean of the prompt's other samples (needs num_generations >= 2)")
+    baseline_decay: float = arg(0.9, "moving_average: weight of the old average at each update")
+    num_generations: int = arg(1, "responses sampled per prompt; batch_size must be a multiple of it")
+    kl_coef: float = arg(0.05, "per-token KL penalty -kl_coef * KL_t in the reward (reward-to-go); 0 = off")
+    normalize_advantages: bool = arg(False, "whiten the advantages over the rollout")
+
+
+@dataclass(frozen=True)
+class OnlineDPOConfig(OnlineFields):
+    """`rlhflab online-dpo`: iterative on-policy DPO (Guo et al. 2024): sample k answers per prompt from the
+    current policy, rank them with the reward (model, functions or the checker), train on best vs worst."""
+
+    num_generations: int = arg(4, "answers sampled per prompt; the best and the worst make one pair")
+    num_iterations: int = arg(1, "passes over each rollout's pairs")
+    beta: float = arg(0.1, "DPO beta: strength of the pull towards the reference")
+    loss_type: Literal["sigmoid", "ipo"] = arg("sigmoid", "sigmoid = DPO (summed log-probs), ipo = IPO (length-averaged)")
+    label_smoothing: float = arg(0.0, "cDPO: assumed share of flipped preferences (sigmoid only)")
+    learning_rate: float = arg(5e-5, "peak AdamW learning rate")
