@@ -106,32 +106,29 @@ class PolicyRoles:
                     output_hidden_states=hidden, logits_to_keep=keep)
         return out.logits, out.hidden_states[-1] if hidden else None
 
-    def _shared_prompt_logits(self, model, query_ids, query_mask, response_ids, response_mask) -> Tensor | None:
-        """(B, T, V) response logits with each distinct prompt run once (k answers per prompt:
-        models/shared_prompt.py), or None when no prompt repeats or the model is not a Llama layout."""
+    def _response_logits(self, model, query_ids, query_mask, response_ids, response_mask) -> Tensor:
+        """(B, T, V) logits predicting each response token, no hidden states. Without a critic a batch that
+        repeats prompts (k answers each) runs each distinct prompt once (models/shared_prompt.py); with one,
+        policy and reference keep the same joined-row forward, so KL == 0 at the start stays exact."""
         plan = models.plan_lean(model, allow_training=True) if self.lean else None
-        groups = models.distinct_prompts(query_ids, query_mask) if plan is not None and plan.lm_head else None
-        if groups is None:
-            return None
-        return models.shared_prompt_logits(plan, query_ids, query_mask, response_ids, response_mask, *groups)
+        if self.value_mode == "none" and plan is not None and plan.lm_head is not None:
+            groups = models.distinct_prompts(query_ids, query_mask)
+            if groups is not None:
+                return models.shared_prompt_logits(plan, query_ids, query_mask, response_ids, response_mask, *groups)
+        input_ids, attention, positions = joined(query_ids, query_mask, response_ids, response_mask)
+        keep = response_ids.shape[1] + 1  # the LM head runs on the last prompt position and the responses only
+        return self._lm(model, input_ids, attention, positions, keep, False)[0][:, -keep:-1]
 
     def policy_forward(self, query_ids, query_mask, response_ids, response_mask) -> tuple[Tensor, Tensor | None]:
         """Logits predicting each response token (B, T, V) and, for a shared trunk, values (B, T)."""
-        if self.value_mode == "none":
+        if self.value_mode != "shared":
             with self._policy_adapter():
-                logits = self._shared_prompt_logits(self.policy, query_ids, query_mask, response_ids, response_mask)
-            if logits is not None:
-                return logits, None
+                return self._response_logits(self.policy, query_ids, query_mask, response_ids, response_mask), None
         input_ids, attention, positions = joined(query_ids, query_mask, response_ids, response_mask)
         start = query_ids.shape[1] - 1
         keep = response_ids.shape[1] + 1  # the LM head runs on the last prompt position and the responses only
-        with self._policy_adapter():
-            logits, hidden = self._lm(self.policy, input_ids, attention, positions, keep, self.value_mode == "shared")
-        logits = logits[:, -keep:-1]
-        if self.value_mode != "shared":
-            return logits, None
-        values = self.value_head(hidden[:, start:-1])
-        return logits, values
+        logits, hidden = self._lm(self.policy, input_ids, attention, positions, keep, True)
+        return logits[:, -keep:-1], self.value_head(hidden[:, start:-1])
 
     def values(self, query_ids, query_mask, response_ids, response_mask) -> Tensor | None:
         """V(s_t) for every response token, from the value model or value adapter (B, T); None without a critic."""
@@ -154,18 +151,12 @@ class PolicyRoles:
     @torch.no_grad()
     def reference_logprobs(self, query_ids, query_mask, response_ids, response_mask, temperature: float) -> Tensor:
         """log pi_ref(a_t|s_t) for every response token (B, T), computed once per rollout."""
-        input_ids, attention, positions = joined(query_ids, query_mask, response_ids, response_mask)
-        keep = response_ids.shape[1] + 1  # the LM head runs on the last prompt position and the responses only
         args = (query_ids, query_mask, response_ids, response_mask)
         if self.lora:
             with models.adapters_off(self.policy):
-                logits = self._shared_prompt_logits(self.policy, *args) if self.value_mode == "none" else None
-                if logits is None:
-                    logits = self._lm(self.policy, input_ids, attention, positions, keep, False)[0][:, -keep:-1]
+                logits = self._response_logits(self.policy, *args)
         else:
             reference = self.reference if self.reference is not None else self.load_reference()
-            logits = self._shared_prompt_logits(reference, *args) if self.value_mode == "none" else None
-            if logits is None:
-                logits = self._lm(reference, input_ids, attention, positions, keep, False)[0][:, -keep:-1]
+            logits = self._response_logits(reference, *args)
             del reference  # with reference_mode=reload nothing keeps it alive after this call
         return selective_log_softmax(logits, response_ids, temperature)
