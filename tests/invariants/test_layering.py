@@ -8,6 +8,7 @@ import rlhflab
 PACKAGE = Path(rlhflab.__file__).parent
 LAYERS = {
     "errors": 0, "core": 0,
+    "intervals": 0,  # pure-Python statistics (Wilson, McNemar, paired differences), read by eval, report, compare
     "trl_names": 0,  # pure data (TRL flag name -> rlhflab field), read by config's unknown-flag hints
     "config": 1, "tasks": 1, "data": 1, "models": 1, "tracking": 1,
     "rollout": 2, "rewards": 2, "sources": 2, "checkpoint": 2,  # checkpoint sits below the trainers that call it

@@ -10,7 +10,7 @@ import pytest
 
 from rlhflab.errors import UserInputError
 from rlhflab.tasks import FAMILIES, build_splits, partition_pools, sample_items, template_corpus, violations
-from rlhflab.tasks.pools import NUMBERS, WORDS
+from rlhflab.tasks.pools import NUMBERS, WORDS, carry_free_pairs
 
 
 def _content(items) -> set[str]:
@@ -29,7 +29,8 @@ def test_pools_are_disjoint_and_cover_everything(seed):
     words = [set(p.words) for p in pools.values()]
     numbers = [set(p.numbers) for p in pools.values()]
     assert [len(w) for w in words] == [3325, 1108, 1108]  # 169 real + 5372 made-up words, cut 60/20/20
-    assert [len(n) for n in numbers] == [599, 200, 200]  # strata 124 (digits <= 4) + 875, each cut 60/20/20
+    # strata: two-digit with digits <= 4 (20), other two-digit (70), other digits <= 4 (104), the rest (805)
+    assert [len(n) for n in numbers] == [599, 200, 200]
     assert set.union(*words) == set(WORDS) and set.union(*numbers) == set(NUMBERS)
     for i in range(3):
         for j in range(i + 1, 3):
@@ -39,7 +40,7 @@ def test_pools_are_disjoint_and_cover_everything(seed):
 @pytest.mark.parametrize("seed", [0, 1, 2, 17])
 def test_test_content_never_seen_in_train_or_validation(seed):
     splits = build_splits(seed)
-    assert {k: len(v) for k, v in splits.items()} == {"train": 400, "validation": 100, "test": 100}
+    assert {k: len(v) for k, v in splits.items()} == {"train": 400, "validation": 300, "test": 300}
     test = _content(splits["test"])
     assert test and not test & _content(splits["train"])
     assert not test & _content(splits["validation"])
@@ -55,12 +56,33 @@ def test_content_is_what_the_prompt_shows():
 
 
 def test_families_spread_evenly_and_prompts_distinct():
-    splits = build_splits(3, train=400, validation=100, test=100)
+    splits = build_splits(3)
     for name, items in splits.items():
         counts = Counter(item.family for item in items)
         assert set(counts) == set(FAMILIES)
         assert max(counts.values()) - min(counts.values()) <= 1, (name, counts)
         assert len({item.prompt for item in items}) == len(items)
+
+
+def test_any_prefix_is_balanced_over_families():
+    """An online run validates on the first eval_prompts (100) of the 300: still ~9 per family."""
+    validation = build_splits(0)["validation"]
+    for k in (11, 50, 100, 299):
+        counts = Counter(item.family for item in validation[:k])
+        assert max(counts.values()) - min(counts.values(), default=0) <= 1 and len(counts) == min(k, 11), (k, counts)
+    assert [item.family for item in validation[:11]] != [item.family for item in validation[11:22]]  # shuffled rounds
+
+
+@pytest.mark.parametrize("seed", [1, 38, 64, 219])  # 38: 2 carry-free sum pairs in its test pool before the 4 strata
+def test_held_out_splits_have_300_distinct_prompts_per_seed(seed):
+    """Every family has enough distinct prompts in each held-out pool for ~27 unique draws (sum_result the scarcest)."""
+    pools = partition_pools(seed)
+    for split in ("validation", "test"):
+        items = build_splits(seed)[split]
+        assert len(items) >= 300 and len({item.prompt for item in items}) == len(items), (seed, split)
+        two_digit = tuple(n for n in pools[split].numbers if 10 <= n <= 99)
+        small = [n for n in two_digit if all(d in "01234" for d in str(n))]
+        assert len(small) == 4 and len(carry_free_pairs(two_digit)) >= 4 * 3  # the guarantee the strata give
 
 
 def test_deterministic_per_seed():

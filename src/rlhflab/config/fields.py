@@ -58,8 +58,8 @@ class TinyModelFields:
 class SuiteFields:
     split_seed: int = arg(0, "seed of the built-in suite's train/validation/test split")
     num_train_prompts: int = arg(400, "built-in suite: prompts in the train split")
-    num_validation_prompts: int = arg(100, "built-in suite: prompts in the validation split")
-    num_test_prompts: int = arg(100, "built-in suite: prompts in the test split")
+    num_validation_prompts: int = arg(300, "built-in suite: prompts in the validation split")
+    num_test_prompts: int = arg(300, "built-in suite: prompts in the test split")
     sft_examples: int = arg(20000, "built-in suite: SFT demonstrations drawn from the train split's content")
     violation_fraction: float = arg(0.75, "built-in suite: share of SFT demonstrations that violate the format")
     dominant_share: float = arg(0.75, "built-in suite: share of violations that are the family's dominant kind")

@@ -127,8 +127,8 @@ class DemoConfig(SFTConfig):
     rm_pair_kinds_always: str = arg("wrong_content", "reward model: kinds every prompt's training pairs include "
                                                      "(content errors are the ones it finds hardest)")
     rm_near_misses: int = arg(0, "reward model: near-miss rejected answers per train prompt (one copied letter changed)")
-    rm_diagnosis_samples: int = arg(8, "reward-model diagnosis: answers sampled per test prompt (8 x the default 100 "
-                                       "test prompts = 800 answers: a correlation steady to about +-0.01)")
+    rm_diagnosis_samples: int = arg(8, "reward-model diagnosis: answers sampled per test prompt (8 x the default 300 "
+                                       "test prompts = 2400 answers)")
     compare: bool = arg(False, "after the demo, compare every available method (ppo, grpo, rloo, reinforce, dpo, "
                                "online-dpo) from the SFT model on the suite: rlhflab compare's defaults, into RUN/compare")
 
