@@ -83,6 +83,8 @@ def run_demo(cfg) -> int:
         print(f"reward model: test pairwise accuracy {rm['test_accuracy']:.1%}, margin {rm['margin']:.2f}; on the SFT "
               f"policy's own answers reward passing {rm['mean_reward_passing']:.2f} vs failing "
               f"{rm['mean_reward_failing']:.2f}, correlation with pass/fail {rm['pass_fail_correlation']:.3f}")
+    if summary.get("headroom_verdict"):  # each family's test gain read against the SFT model's headroom
+        print("\ngain against headroom (RUN/headroom.json, validation):\n" + "\n".join(summary["headroom_verdict"]))
     if summary.get("compare"):
         compared = result.run_dir / "compare"
         print(f"\nmethods compared from the SFT model ({compared}):")
@@ -106,9 +108,14 @@ def run_sft(cfg) -> int:
 
 def run_eval(cfg) -> int:
     from rlhflab.eval import evaluate, format_table
+    from rlhflab.eval.headroom import check_headroom_fields, probe_saved_model
+    from rlhflab.trainers.headroom import format_headroom
 
+    check_headroom_fields(cfg)
     result = evaluate(cfg)
     print(format_table({Path(cfg.model).name or cfg.model: result.summary["pass_rate"]}, title=f"{cfg.split} pass rate"))
+    if cfg.samples_per_prompt > 1:
+        print("\n" + format_headroom(probe_saved_model(cfg, result.run_dir)))
     print(f"\nanswers and verdicts: {result.run_dir / 'samples.jsonl'}")
     print_report(result.run_dir)
     return 0

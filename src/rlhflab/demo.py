@@ -14,12 +14,13 @@ score and the real pass rate can part ways.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 
 import torch
 
-from rlhflab import models, rewards
+from rlhflab import models, rewards, sources
 from rlhflab.data.prompt_rows import PromptRow
 from rlhflab.config import (
     DemoConfig,
@@ -41,6 +42,7 @@ from rlhflab.eval.rm_diagnosis import diagnose
 from rlhflab.errors import UserInputError
 from rlhflab.tracking import RunDir, RunResult, default_run_path
 from rlhflab.trainers import ppo, reward, sft
+from rlhflab.trainers.headroom import headroom_verdict, record_start_headroom
 from rlhflab.trainers.setup import resolve_device
 
 # Parts whose values the demo hands to every stage; other fields keep each stage's own defaults
@@ -58,7 +60,8 @@ def shared_fields(demo: DemoConfig, stage_cls: type) -> dict:
 def ppo_stage_config(demo: DemoConfig, model_dir: str, out: str, **reward_fields) -> PPOConfig:
     values = {**shared_fields(demo, PPOConfig), "temperature": PPOConfig().temperature}
     values |= {"total_episodes": demo.ppo_total_episodes, "learning_rate": demo.ppo_learning_rate,
-               "kl_coef": demo.ppo_kl_coef, "lr_schedule": "constant"}
+               "kl_coef": demo.ppo_kl_coef, "lr_schedule": "constant",
+               "headroom_samples": 0}  # the demo probes the SFT model once (probe_sft_model), not once per PPO stage
     if demo.ppo_config:
         values |= read_yaml_config(demo.ppo_config, PPOConfig)
     return PPOConfig(**{**values, **reward_fields, "model": model_dir, "tokenizer": "", "output_dir": out,
@@ -108,6 +111,19 @@ def mean_rm_scores(rm_dir, answers: dict[str, list[dict]], demo: DemoConfig) -> 
             scored = score(prompts, [r["answer"] for r in rows], [PromptRow(p) for p in prompts])
             means[name] = round(float(scored.scores.mean()), 4)
     return means
+
+
+def probe_sft_model(cfg: DemoConfig, run: RunDir, sft_dir: str) -> dict | None:
+    """The SFT model's headroom (trainers/headroom.py) on the PPO stage's validation prompts, rollout temperature
+    and length: RUN/headroom.json, logged now, before RL; the end of the demo reads each family's gain against it."""
+    if cfg.headroom_samples <= 0:
+        return None
+    stage = dataclasses.replace(ppo_stage_config(cfg, sft_dir, str(run.path)), headroom_samples=cfg.headroom_samples)
+    tokenizer = models.load_tokenizer(sft_dir, trust_remote_code=cfg.trust_remote_code)
+    model = models.load_causal_lm(sft_dir, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code,
+                                  device=resolve_device(cfg.device))
+    validation = sources.prompt_splits(stage, tokenizer).validation
+    return record_start_headroom(model, tokenizer, validation, rewards.CheckerVerifier(), stage, run)
 
 
 def reward_model_stages(cfg: DemoConfig, run: RunDir, sft_dir: str) -> tuple[dict, RunResult, RunResult]:
@@ -165,6 +181,9 @@ def run_demo(cfg: DemoConfig) -> RunResult:
     timed("sft", started)
     sft_dir, runs["sft"] = str(sft_result.model_dir), str(sft_result.run_dir)
     answers["sft"] = test_answers(run, "sft", sft_dir, cfg)
+    t0 = time.time()
+    headroom = probe_sft_model(cfg, run, sft_dir)
+    timed("headroom", t0)
 
     # 2. PPO from the SFT model, with the task checker as reward
     if cfg.run_ppo:
@@ -189,6 +208,8 @@ def run_demo(cfg: DemoConfig) -> RunResult:
         rm_scores = mean_rm_scores(rm_result.model_dir, answers, cfg)
 
     tables = {name: table_from_rows(rows) for name, rows in answers.items()}
+    verdict = [line for name in list(tables)[1:] for line in headroom_verdict(  # each RL stage's gain over SFT
+        headroom, tables["sft"]["per_family"], tables[name]["per_family"], name)] if headroom else []
     walls["total"] = time.time() - started
     summary = run.update_summary(
         stage="demo",
@@ -196,6 +217,7 @@ def run_demo(cfg: DemoConfig) -> RunResult:
         test_rm_score=rm_scores,
         test_tables=tables,
         rm=rm_summary,
+        headroom_verdict=verdict,
         kl_to_reference={name: f["objective/kl"] for name, f in finals.items()},
         decoding="sampled" if cfg.do_sample else "greedy",
         sft_validation=sft_result.summary.get("validation"),

@@ -54,6 +54,11 @@ class OnlineFields(MonitorFields, CheckpointFields, RunFields, ModelFields, Suit
     save_every: int = arg(20, "write RUN/checkpoints/step-N every N updates and at the end; 0 = only at the end")
     console_samples: int = arg(4, "answers to the first N fixed validation prompts logged as a table (prompt, "
                                   "answer, pass/fail) at each evaluation; 0 = off")
+    headroom_samples: int = arg(
+        8, "headroom probe of the starting policy before the first update: answers sampled per validation prompt at "
+           "the rollout temperature; per family greedy pass@1, sampled pass@1 and pass@k to RUN/headroom.json and "
+           "the report (a family no sample passes has nothing for RL to reinforce); 0 = off")
+    headroom_prompts: int = arg(0, "validation prompts the headroom probe reads; 0 = the eval_prompts ones")
     # RL optimiser defaults (FACTS.md: lr 3e-4 or 4 epochs blew PPO's KL up)
     learning_rate: float = arg(1e-4, "peak AdamW learning rate")
     adam_eps: float = arg(1e-5, "AdamW epsilon")

@@ -45,6 +45,14 @@ class EvalConfig(RunFields, ModelFields, SuiteFields, GenerationFields):
     verifier: str = arg("", "pass / fail function FILE.py:NAME or package.module:NAME, called as fn(prompts, "
                             "completions, **columns) -> list of bool; empty = the suite's checker (needs 'family' and "
                             "'reference' columns in a prompts file)")
+    samples_per_prompt: int = arg(
+        1, "headroom probe: answers sampled per prompt at --temperature from the full softmax (as rollouts); > 1 "
+           "adds per-family greedy pass@1, sampled pass@1 and pass@k on --headroom_split to summary.json and "
+           "headroom.json; 1 = off")
+    headroom_split: Literal["train", "validation", "test"] = arg(
+        "validation", "split the headroom probe reads (validation: the test split is read once, for reported "
+                      "numbers); --prompts_file: its rows")
+    headroom_prompts: int = arg(0, "headroom probe: the first N prompts of its split; 0 = all")
 
 
 @dataclass(frozen=True)
@@ -129,6 +137,8 @@ class DemoConfig(SFTConfig):
     rm_near_misses: int = arg(0, "reward model: near-miss rejected answers per train prompt (one copied letter changed)")
     rm_diagnosis_samples: int = arg(8, "reward-model diagnosis: answers sampled per test prompt (8 x the default 300 "
                                        "test prompts = 2400 answers)")
+    headroom_samples: int = arg(8, "headroom probe of the SFT model before RL: answers sampled per validation prompt "
+                                   "(the PPO stage's prompts and temperature); 0 = off")
     compare: bool = arg(False, "after the demo, compare every available method (ppo, grpo, rloo, reinforce, dpo, "
                                "online-dpo) from the SFT model on the suite: rlhflab compare's defaults, into RUN/compare")
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Callable
 
 from rlhflab.report import details, sections
+from rlhflab.report.headroom import headroom_section
 from rlhflab.report.html import Markup, details as collapsible, join, page, section, tag
 from rlhflab.report.runfolder import RunFolder, load_run
 from rlhflab.report.verdict import family_table, verdict_html
@@ -23,6 +24,7 @@ SECTIONS: tuple[Section, ...] = (
     ("Did the model get better on held-out prompts?", verdict_html),
     ("Missing or damaged files", details.notes_section),
     ("Pass rate per family", family_table),
+    ("Headroom before RL", headroom_section),
     ("Alarms", sections.alarms_section),
     ("Training curves", sections.curves_section),
     ("Reward model", sections.reward_model_section),

@@ -34,6 +34,7 @@ from rlhflab.rollout import GenerationSettings, decode_responses
 from rlhflab.rollout.diversity import diversity_metrics
 from rlhflab.rollout.rollout import Rollout, collect_rollout
 from rlhflab.tracking import RunDir, RunResult
+from rlhflab.trainers.headroom import record_start_headroom
 from rlhflab.trainers.nonfinite import clip_and_step
 from rlhflab.trainers.online.algorithm import Algorithm, ScoredRollout, StepShare
 from rlhflab.trainers.online.evaluate import Evaluator
@@ -238,6 +239,8 @@ def train_online(cfg, algorithm: Algorithm, run: RunDir | None = None, reward_fn
         raise ValueError(f"the monitor watches {monitor.signal} but this run's held-out signal is {signal}")
     watch = RunWatch(monitor, run, roles, cfg.keep_best, signal)
     generators = {"order": generator, "sampler": sampler}
+    if resumed is None:  # what the starting policy gives RL to reinforce, per family: RUN/headroom.json (in setup)
+        record_start_headroom(roles.policy, tokenizer, prompts.validation, verifier, cfg, run)
     # wall time split for summary.json: loading and building, the updates themselves (steps 1-6 up
     # to logging: what a throughput figure divides by), evaluations, checkpoints + the final save
     walls = {"setup": time.time() - started, "loop": 0.0, "evaluation": 0.0, "save": 0.0}

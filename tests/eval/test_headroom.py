@@ -1,0 +1,214 @@
+"""The headroom probe: pass@k against hand-worked numbers, the words for a family with nothing to reinforce,
+the probe on a tiny model, the online loop writing RUN/headroom.json and its report section, `rlhflab eval`."""
+
+import itertools
+import json
+from math import comb
+
+import pytest
+import torch
+from tinyhf import save_suite_model
+
+from rlhflab import sources, tasks
+from rlhflab.cli import main
+from rlhflab.config import PPOConfig
+from rlhflab.data.prompt_rows import PromptRow
+from rlhflab.report import write_report
+from rlhflab.rewards import Check
+from rlhflab.trainers import ppo
+from rlhflab.trainers.headroom import (family_headroom, format_headroom, headroom_verdict, headroom_words, pass_at_k,
+                                       probe_from_verdicts, probe_headroom)
+from rlhflab import models
+
+ZERO_WORDS = "RL from this model cannot be expected to help here; improve SFT or the data"
+
+
+# --- pass@k ------------------------------------------------------------------------------------------------------
+
+
+def test_pass_at_k_hand_worked_values():
+    assert pass_at_k(4, 1, 4) == 1.0  # n = k: any of the k samples passes
+    assert pass_at_k(4, 0, 4) == 0.0
+    assert pass_at_k(8, 2, 4) == pytest.approx(1 - 15 / 70)  # 1 - C(6,4)/C(8,4) = 55/70
+    assert pass_at_k(8, 2, 4) == pytest.approx(0.7857142857)
+    assert pass_at_k(8, 2, 1) == pytest.approx(0.25)  # pass@1 is c / n
+    assert pass_at_k(5, 3, 3) == 1.0  # n - c = 2 < k: every 3 of 5 include a pass
+    with pytest.raises(ValueError):
+        pass_at_k(4, 1, 5)
+    with pytest.raises(ValueError):
+        pass_at_k(4, 5, 2)
+
+
+def test_pass_at_k_is_the_share_of_k_subsets_holding_a_pass():
+    """The naive version: enumerate every k of the n samples (Chen et al.'s definition, drawn without replacement)."""
+    for n in range(1, 7):
+        for c in range(n + 1):
+            samples = [True] * c + [False] * (n - c)
+            for k in range(1, n + 1):
+                subsets = list(itertools.combinations(samples, k))
+                naive = sum(any(s) for s in subsets) / comb(n, k)
+                assert pass_at_k(n, c, k) == pytest.approx(naive, abs=1e-12), (n, c, k)
+
+
+# --- one family's rates and words ----------------------------------------------------------------------------------
+
+
+def test_family_rates_hand_worked():
+    h = family_headroom("yes_no", greedy=[False, False, True],
+                        sampled=[[True, False, False, False], [False] * 4, [True, True, False, False]])
+    assert (h.prompts, h.samples_per_prompt, h.prompts_with_pass, h.passing_samples) == (3, 4, 2, 3)
+    assert h.greedy_pass_at_1 == pytest.approx(1 / 3)
+    assert h.sampled_pass_at_1 == pytest.approx((1 / 4 + 0 + 2 / 4) / 3)  # 0.25
+    assert h.pass_at_k == pytest.approx(2 / 3)
+    assert h.status == "room" and not h.no_headroom
+    assert headroom_words(h) == ("yes_no: pass@4 67% against greedy 33% — sampled answers pass where greedy ones "
+                                 "fail: headroom for RL")
+
+
+def test_a_family_no_sample_passes_is_said_to_have_nothing_for_rl():
+    h = family_headroom("sum_result", greedy=[False] * 9, sampled=[[False] * 8] * 9)
+    assert h.no_headroom and h.status == "none" and h.pass_at_k == 0.0
+    assert headroom_words(h) == f"sum_result: 0 of 8 samples pass on any of its 9 prompts — {ZERO_WORDS}"
+
+
+@pytest.mark.parametrize("prompts, passing, flagged", [
+    (10, 1, True),  # pass@k 10 % but one prompt: fewer than 2 prompts with any pass
+    (10, 2, False),  # two prompts, 20 %
+    (120, 2, True),  # two prompts but pass@k 1.7 % < 2 %
+    (120, 3, False),  # 2.5 %
+    (1, 1, False),  # a family probed on one prompt that passes: it cannot have two
+])
+def test_near_zero_is_below_2_percent_or_under_2_prompts(prompts, passing, flagged):
+    sampled = [[True, False]] * passing + [[False, False]] * (prompts - passing)
+    h = family_headroom("comma_list", greedy=[False] * prompts, sampled=sampled)
+    assert h.no_headroom is flagged
+    assert (ZERO_WORDS in headroom_words(h)) is flagged
+    if flagged:
+        assert headroom_words(h).startswith(f"comma_list: only {passing} of {prompts} prompts have a passing sample")
+
+
+def test_a_family_already_passing_greedily_is_at_its_ceiling():
+    h = family_headroom("uppercase", greedy=[True] * 9 + [False], sampled=[[True, True]] * 10)
+    assert h.status == "ceiling" and "little left for RL to gain" in headroom_words(h)
+
+
+def test_probe_groups_rows_by_family_and_lists_those_without_headroom():
+    rows = [PromptRow("a", {"family": "yes_no"}), PromptRow("b", {"family": "sum_result"}),
+            PromptRow("c", {"family": "yes_no"}), PromptRow("d", {"family": "sum_result"})]
+    probe = probe_from_verdicts(rows, [True, False, False, False],
+                                [[True, True], [False, False], [True, False], [False, False]])
+    assert probe["no_headroom"] == ["sum_result"]
+    assert probe["per_family"]["yes_no"]["pass_at_k"] == 1.0 and probe["per_family"]["yes_no"]["status"] == "room"
+    assert probe["overall"]["pass_at_k"] == 0.5 and probe["overall"]["greedy_pass_at_1"] == 0.25
+    assert probe["overall"]["sampled_pass_at_1"] == pytest.approx((1 + 0 + 0.5 + 0) / 4)
+
+
+def test_verdict_reads_each_familys_gain_against_its_headroom():
+    probe = {"per_family": {
+        "sum_result": {"samples_per_prompt": 8, "pass_at_k": 0.0, "greedy_pass_at_1": 0.0, "status": "none"},
+        "yes_no": {"samples_per_prompt": 8, "pass_at_k": 0.4, "greedy_pass_at_1": 0.1, "status": "room"},
+        "lowercase": {"samples_per_prompt": 8, "pass_at_k": 0.9, "greedy_pass_at_1": 0.3, "status": "room"},
+        "uppercase": {"samples_per_prompt": 8, "pass_at_k": 1.0, "greedy_pass_at_1": 1.0, "status": "ceiling"},
+        "comma_list": {"samples_per_prompt": 8, "pass_at_k": 0.0, "greedy_pass_at_1": 0.0, "status": "none"},
+    }}
+    before = {"sum_result": 0.0, "yes_no": 0.1, "lowercase": 0.3, "uppercase": 1.0, "comma_list": 0.0}
+    after = {"sum_result": 0.0, "yes_no": 0.15, "lowercase": 0.8, "uppercase": 1.0, "comma_list": 0.3}
+    lines = headroom_verdict(probe, before, after, "ppo")
+    assert lines == [
+        "ppo: sum_result did not move (0% → 0%); its pass@8 was 0% — expected: nothing to reinforce",
+        "ppo: yes_no had headroom 40% (pass@8; greedy 10%) but did not move (10% → 15%) — look at the reward",
+        "ppo: lowercase moved (30% → 80%); its pass@8 was 90%",
+        "ppo: uppercase did not move (100% → 100%); greedy answers already passed 100% — little left to gain",
+        "ppo: comma_list moved (0% → 30%) although its pass@8 was 0% — passes the probe did not see (probe more "
+        "prompts or samples)",
+    ]
+
+
+# --- the probe on a tiny model ---------------------------------------------------------------------------------------
+
+
+class FamilyVerifier:
+    """Passes every answer of the named families, fails the rest; records what it was asked."""
+
+    name = "by-family"
+
+    def __init__(self, passing: set[str]):
+        self.passing = passing
+        self.calls: list[list[str]] = []
+
+    def __call__(self, prompts, completions, rows, ended_with_eos=None):
+        self.calls.append(list(prompts))
+        return [Check(r.family in self.passing, "pass" if r.family in self.passing else "fail") for r in rows]
+
+
+@pytest.fixture(scope="module")
+def policy_dir(tmp_path_factory):
+    return save_suite_model(tmp_path_factory.mktemp("policy"))
+
+
+def suite_rows(split: str, n: int) -> list[PromptRow]:
+    return sources.suite_prompts(tasks.build_splits(0, 22, 11, 11)[split], split)[:n]
+
+
+def test_probe_answers_each_prompt_greedily_once_and_k_times_sampled(policy_dir):
+    model, tokenizer = models.load_causal_lm(policy_dir), models.load_tokenizer(policy_dir)
+    model.train()
+    rows = suite_rows("validation", 6)
+    families = sorted({r.family for r in rows})
+    verifier = FamilyVerifier({families[0]})
+    rng = torch.get_rng_state()
+    probe = probe_headroom(model, tokenizer, rows, verifier, samples_per_prompt=3, temperature=1.0, max_new_tokens=4)
+    assert torch.equal(torch.get_rng_state(), rng) and model.training  # the caller's RNG and mode untouched
+    greedy_call, sampled_call = verifier.calls
+    assert greedy_call == [r.prompt for r in rows]
+    assert sampled_call == [r.prompt for r in rows for _ in range(3)]  # each prompt's samples contiguous
+    assert probe["per_family"][families[0]]["pass_at_k"] == 1.0
+    assert probe["per_family"][families[0]]["sampled_pass_at_1"] == 1.0
+    assert probe["no_headroom"] == families[1:]
+    assert probe["prompts"] == 6 and probe["samples_per_prompt"] == 3 and probe["split"] == "validation"
+    table = format_headroom(probe)
+    assert "pass@3" in table and f"{families[1]}: 0 of 3 samples pass on any of its" in table
+
+
+# --- the online loop, its report section, and `rlhflab eval` ----------------------------------------------------------
+
+
+def tiny_ppo(policy_dir, out, **overrides) -> PPOConfig:
+    base = dict(model=policy_dir, batch_size=8, num_mini_batches=1, num_ppo_epochs=1, response_length=6,
+                total_episodes=8, eval_every=0, eval_prompts=4, sample_prompts=2, max_new_tokens=6,
+                num_train_prompts=22, num_validation_prompts=11, num_test_prompts=11, progress=False,
+                threads=1, headroom_samples=4, output_dir=str(out), save_every=0)
+    return PPOConfig(**{**base, **overrides})
+
+
+def test_online_run_writes_the_start_policys_headroom_and_the_report_shows_it(policy_dir, tmp_path):
+    result = ppo.train(tiny_ppo(policy_dir, tmp_path / "run", headroom_prompts=6))
+    probe = json.loads((result.run_dir / "headroom.json").read_text())
+    expected = suite_rows("validation", 6)
+    assert probe["prompts"] == 6 and probe["samples_per_prompt"] == 4 and probe["split"] == "validation"
+    assert sum(h["prompts"] for h in probe["per_family"].values()) == 6
+    assert set(probe["per_family"]) == {r.family for r in expected}
+    assert probe["max_new_tokens"] == 6  # the rollouts' cap
+    html = write_report(result.run_dir).read_text()
+    assert "Headroom before RL" in html and 'id="headroom"' in html
+    assert probe["no_headroom"]  # an untrained model: families with nothing to reinforce, in words on the page
+    assert all(probe["per_family"][family]["words"] in html for family in probe["no_headroom"])
+    off = ppo.train(tiny_ppo(policy_dir, tmp_path / "off", headroom_samples=0))
+    assert not (off.run_dir / "headroom.json").exists()
+    assert "Headroom before RL" not in write_report(off.run_dir).read_text()
+
+
+def test_eval_command_probes_the_validation_split(policy_dir, tmp_path, capsys):
+    out = tmp_path / "ev"
+    code = main(["eval", "--model", policy_dir, "--num_train_prompts", "22", "--num_validation_prompts", "11",
+                 "--num_test_prompts", "11", "--max_new_tokens", "4", "--samples_per_prompt", "2",
+                 "--headroom_prompts", "5", "--out", str(out), "--progress", "false", "--threads", "1"])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "test pass rate" in printed and "headroom probe: 5 validation prompts, 2 samples each" in printed
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["split"] == "test" and summary["headroom"]["split"] == "validation"
+    assert summary["headroom"]["prompts"] == 5
+    assert json.loads((out / "headroom.json").read_text()) == summary["headroom"]
+    assert main(["eval", "--model", policy_dir, "--samples_per_prompt", "0", "--out", str(tmp_path / "bad")]) == 2
+    assert "samples_per_prompt must be >= 1" in capsys.readouterr().err
