@@ -11,8 +11,8 @@ other stage and the STAGES table), `parsing` (YAML and flags).
 
 from rlhflab.config.fields import (  # noqa: F401
     arg, RunFields, LoadFields, ModelFields, TinyModelFields, SuiteFields, DatasetFields, DataFields,
-    PromptFileFields, RewardFunctionFields, OptimFields, GenerationFields, CheckpointFields, LoraFields,
-    MonitorFields,
+    PromptFileFields, RewardFunctionFields, OptimFields, GenerationFields, GenerationBackendFields, CheckpointFields,
+    LoraFields, MonitorFields,
 )
 from rlhflab.config.online import (  # noqa: F401
     OnlineFields, PPOConfig, GroupFields, GRPOConfig, RLOOConfig, REINFORCEConfig, OnlineDPOConfig,

@@ -134,6 +134,21 @@ class GenerationFields:
 
 
 @dataclass(frozen=True)
+class GenerationBackendFields:
+    """Which engine samples the responses (rlhflab.rollout.backends; README "Generation backends")."""
+
+    generation_backend: Literal["lean", "hf", "vllm"] = arg(
+        "lean", "lean = KV-cached lean decoder for Llama / Qwen2 layouts (other models: their own forward); hf = "
+                "always the model's own forward with its KV cache; vllm = a vLLM engine on the same GPU, the "
+                "policy's weights pushed into it before each rollout (pip install 'rlhflab[vllm]', CUDA only)")
+    vllm_gpu_memory_utilization: float = arg(
+        0.3, "vllm: share of the GPU's memory the vLLM engine may take (weights + KV cache); the rest is training's")
+    vllm_sleep_mode: bool = arg(
+        True, "vllm: put the engine to sleep between rollouts (weights to CPU, KV cache freed) so training gets "
+              "that memory back")
+
+
+@dataclass(frozen=True)
 class CheckpointFields:
     """Checkpoints, resume and non-finite guards (rlhflab.checkpoint; README "Checkpoints and resume")."""
 

@@ -5,13 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from rlhflab.config.fields import (CheckpointFields, GenerationFields, LoraFields, ModelFields, MonitorFields,
-                                   OptimFields, PromptFileFields, RewardFunctionFields, RunFields, SuiteFields, arg)
+from rlhflab.config.fields import (CheckpointFields, GenerationBackendFields, GenerationFields, LoraFields, ModelFields,
+                                   MonitorFields, OptimFields, PromptFileFields, RewardFunctionFields, RunFields,
+                                   SuiteFields, arg)
 
 
 @dataclass(frozen=True)
 class OnlineFields(MonitorFields, CheckpointFields, RunFields, ModelFields, SuiteFields, PromptFileFields,
-                   RewardFunctionFields, LoraFields, OptimFields, GenerationFields):
+                   RewardFunctionFields, LoraFields, OptimFields, GenerationFields, GenerationBackendFields):
     """What every online method (PPO, GRPO, RLOO, REINFORCE, online DPO) shares: the roles, the reward,
     the rollout cycle, evaluation during the run (trainers/online/loop.py)."""
 

@@ -7,8 +7,8 @@ import typing
 from dataclasses import dataclass
 from typing import Literal
 
-from rlhflab.config.fields import (CheckpointFields, DataFields, GenerationFields, LoadFields, LoraFields,
-                                   ModelFields, OptimFields, PromptFileFields, RewardFunctionFields, RunFields,
+from rlhflab.config.fields import (CheckpointFields, DataFields, GenerationBackendFields, GenerationFields, LoadFields,
+                                   LoraFields, ModelFields, OptimFields, PromptFileFields, RewardFunctionFields, RunFields,
                                    SuiteFields, TinyModelFields, arg)
 from rlhflab.config.online import (GRPOConfig, OnlineDPOConfig, PPOConfig, REINFORCEConfig, RLOOConfig)
 
@@ -36,7 +36,7 @@ class SFTConfig(CheckpointFields, RunFields, ModelFields, TinyModelFields, Suite
 
 
 @dataclass(frozen=True)
-class EvalConfig(RunFields, ModelFields, SuiteFields, GenerationFields):
+class EvalConfig(RunFields, ModelFields, SuiteFields, GenerationFields, GenerationBackendFields):
     """`rlhflab eval`: generate answers to a split's prompts and check them."""
 
     split: Literal["train", "validation", "test"] = arg("test", "which split of the built-in suite")

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from rlhflab import data
-from rlhflab.rollout import GenerationSettings, generate, response_logprobs
+from rlhflab.rollout import GenerationSettings, response_logprobs
+from rlhflab.rollout.backends import generate_with
 
 
 @torch.no_grad()
@@ -22,7 +23,7 @@ def kl_to_reference(policy, reference, tokenizer, prompts: list[str], *, samples
     encoded = [ids for ids in data.encode_prompts(tokenizer, prompts) for _ in range(samples)]
     totals = []
     for start in range(0, len(encoded), batch_size):
-        out = generate(policy, encoded[start:start + batch_size], pad_id=tokenizer.pad_token_id,
+        out = generate_with(policy, encoded[start:start + batch_size], pad_id=tokenizer.pad_token_id,
                        eos_id=tokenizer.eos_token_id, settings=settings, generator=generator)
         args = (out.query_ids, out.query_mask, out.response_ids, out.response_mask, temperature)
         logprobs, ref_logprobs = response_logprobs(policy, *args), response_logprobs(reference, *args)  # (B, T)

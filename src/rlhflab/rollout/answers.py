@@ -8,7 +8,8 @@ import torch
 from tqdm.auto import tqdm
 
 from rlhflab.data import encode_prompts
-from rlhflab.rollout.generate import GenerationSettings, generate
+from rlhflab.rollout.backends import generate_with
+from rlhflab.rollout.generate import GenerationSettings
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,7 @@ def generate_answers(
     starts = range(0, len(prompts), batch_size)
     for start in tqdm(starts, desc="generating", unit="batch", disable=not progress):
         chunk = encode_prompts(tokenizer, prompts[start : start + batch_size])
-        out = generate(
+        out = generate_with(
             model, chunk, pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id,
             settings=settings, generator=generator,
         )

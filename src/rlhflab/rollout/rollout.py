@@ -9,7 +9,8 @@ import torch
 from torch import Tensor
 
 from rlhflab.core.logprobs import entropy_from_logits, selective_log_softmax
-from rlhflab.rollout.generate import GenerationSettings, generate
+from rlhflab.rollout.backends import generate_with
+from rlhflab.rollout.generate import GenerationSettings
 from rlhflab.rollout.roles import PolicyRoles
 
 
@@ -58,7 +59,7 @@ def collect_rollout(
     roles.train(False)
     started = time.time()
     with roles.generation_weights():
-        out = generate(roles.policy, prompts, pad_id=pad_id, eos_id=eos_id, settings=settings, generator=generator)
+        out = generate_with(roles.policy, prompts, pad_id=pad_id, eos_id=eos_id, settings=settings, generator=generator)
     generated = time.time()
     q_ids, q_mask, r_ids, r_mask = out.query_ids, out.query_mask, out.response_ids, out.response_mask
     kept = None

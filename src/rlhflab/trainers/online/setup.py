@@ -10,6 +10,7 @@ from rlhflab import models, rewards
 from rlhflab.config import OnlineFields
 from rlhflab.errors import UserInputError
 from rlhflab.rollout import GenerationSettings, generate_answers
+from rlhflab.rollout.backends import backend_from_config, check_backend, use_backend
 from rlhflab.rollout.roles import PolicyRoles
 from rlhflab.data.prompt_rows import PromptRow
 from rlhflab.sources import PromptSplits
@@ -25,6 +26,7 @@ def check_online_config(cfg: OnlineFields, epochs: int = 1, group: int = 1) -> N
     `epochs`: the algorithm's passes over each rollout; `group`: its responses per prompt."""
     if not cfg.model:
         raise UserInputError("no policy given", "--model", "pass the SFT model folder, e.g. runs/demo-.../sft/model")
+    check_backend(cfg)
     positive = {"batch_size": cfg.batch_size, "num_mini_batches": cfg.num_mini_batches,
                 "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
                 "response_length": cfg.response_length, "temperature": cfg.temperature}
@@ -111,6 +113,8 @@ def build_roles(cfg: OnlineFields, critic: bool = True) -> tuple[PolicyRoles, ob
     roles = PolicyRoles(policy, value_mode=value_mode, value_head=value_head, value_model=value_model,
                         reference=reference, load_reference=load_reference, lora=lora,
                         merge_lora_for_generation=cfg.lora_merge_generation)
+    longest = cfg.max_prompt_tokens + max(cfg.response_length, cfg.max_new_tokens)  # rollouts and validation
+    use_backend(policy, backend_from_config(cfg, cfg.model, max_model_len=longest))
     return roles, tokenizer
 
 
