@@ -94,8 +94,11 @@ def test_engine_token_lists_with_pad_equal_to_eos_mask_only_real_tokens():
     assert out.query_ids.tolist() == [[1, 4], [5, 6], [1, 7]] and out.query_mask.tolist()[0] == [False, True]
 
 
-def test_vllm_is_refused_at_config_check_time_where_it_cannot_run():
+def test_vllm_is_refused_at_config_check_time_where_it_cannot_run(tmp_path):
     from importlib.util import find_spec
+
+    from rlhflab.config import EvalConfig
+    from rlhflab.eval import evaluate
 
     from rlhflab.trainers import ppo
 
@@ -111,6 +114,9 @@ def test_vllm_is_refused_at_config_check_time_where_it_cannot_run():
     assert "--generation_backend vllm" in text and "rlhflab[vllm]" in text
     assert ("vllm package" in text) == (find_spec("vllm") is None)
     assert ("CUDA GPU" in text) == (not torch.cuda.is_available())
+    with pytest.raises(UserInputError, match="generation_backend vllm"):  # before `rlhflab eval` loads the model
+        evaluate(EvalConfig(model="no/such/folder", generation_backend="vllm", output_dir=str(tmp_path / "eval")))
+    assert not (tmp_path / "eval").exists()
 
 
 def test_the_configured_backend_is_bound_to_the_policy(tmp_path):
