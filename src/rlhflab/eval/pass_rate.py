@@ -8,6 +8,7 @@ from rlhflab import models, rewards, sources, tasks
 from rlhflab.config import EvalConfig, write_config
 from rlhflab.data.prompt_rows import PromptRow
 from rlhflab.errors import UserInputError
+from rlhflab.rollout.backends import backend_from_config, check_backend, use_backend
 from rlhflab.tracking import RunDir, RunResult, default_run_path
 from rlhflab.trainers.setup import configure_threads, resolve_device, seed_everything
 from rlhflab.trainers.validation import checked_answers as answer_and_check
@@ -57,9 +58,11 @@ def evaluate(cfg: EvalConfig, run: RunDir | None = None) -> RunResult:
     seed_everything(cfg.seed, cfg.deterministic)
     if not cfg.model:
         raise UserInputError("no model given", "--model", "pass a model folder, e.g. runs/demo-.../sft/model")
+    check_backend(cfg)
     tokenizer = models.load_tokenizer(cfg.tokenizer or cfg.model, trust_remote_code=cfg.trust_remote_code)
     model = models.load_causal_lm(cfg.model, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code,
                                   device=resolve_device(cfg.device))
+    use_backend(model, backend_from_config(cfg, cfg.model))
     items = eval_prompts(cfg, tokenizer)
     verifier = eval_verifier(cfg, items)
     run = run or RunDir(cfg.output_dir or default_run_path("eval"), overwrite=cfg.overwrite, report_to=cfg.report_to)
