@@ -69,6 +69,8 @@ def test_a_family_no_sample_passes_is_said_to_have_nothing_for_rl():
     h = family_headroom("sum_result", greedy=[False] * 9, sampled=[[False] * 8] * 9)
     assert h.no_headroom and h.status == "none" and h.pass_at_k == 0.0
     assert headroom_words(h) == f"sum_result: 0 of 8 samples pass on any of its 9 prompts — {ZERO_WORDS}"
+    one = family_headroom("sum_result", greedy=[False], sampled=[[False] * 4])
+    assert headroom_words(one) == f"sum_result: 0 of 4 samples pass on any of its 1 prompt — {ZERO_WORDS}"
 
 
 @pytest.mark.parametrize("prompts, passing, flagged", [
@@ -84,7 +86,7 @@ def test_near_zero_is_below_2_percent_or_under_2_prompts(prompts, passing, flagg
     assert h.no_headroom is flagged
     assert (ZERO_WORDS in headroom_words(h)) is flagged
     if flagged:
-        assert headroom_words(h).startswith(f"comma_list: only {passing} of {prompts} prompts have a passing sample")
+        assert headroom_words(h).startswith(f"comma_list: only {passing} of {prompts} prompts had a passing sample")
 
 
 def test_a_family_already_passing_greedily_is_at_its_ceiling():
@@ -114,13 +116,13 @@ def test_verdict_reads_each_familys_gain_against_its_headroom():
     before = {"sum_result": 0.0, "yes_no": 0.1, "lowercase": 0.3, "uppercase": 1.0, "comma_list": 0.0}
     after = {"sum_result": 0.0, "yes_no": 0.15, "lowercase": 0.8, "uppercase": 1.0, "comma_list": 0.3}
     lines = headroom_verdict(probe, before, after, "ppo")
-    assert lines == [
-        "ppo: sum_result did not move (0% → 0%); its pass@8 was 0% — expected: nothing to reinforce",
-        "ppo: yes_no had headroom 40% (pass@8; greedy 10%) but did not move (10% → 15%) — look at the reward",
-        "ppo: lowercase moved (30% → 80%); its pass@8 was 90%",
-        "ppo: uppercase did not move (100% → 100%); greedy answers already passed 100% — little left to gain",
-        "ppo: comma_list moved (0% → 30%) although its pass@8 was 0% — passes the probe did not see (probe more "
-        "prompts or samples)",
+    assert lines == [  # the surprises first, one line each; then one line per expected kind
+        "ppo: yes_no had headroom (pass@8 40%, greedy 10%) but did not move (10% → 15%) — look at the reward",
+        "ppo: comma_list 0% → 30% although its pass@8 was 0% — passes the probe did not see (probe more prompts or "
+        "samples)",
+        "ppo: moved where there was headroom: lowercase 30% → 80% (pass@8 90%)",
+        "ppo: did not move, as expected: nothing to reinforce: sum_result 0% → 0% (pass@8 0%)",
+        "ppo: did not move, already passing: little left to gain: uppercase 100% → 100% (greedy 100%)",
     ]
 
 

@@ -101,16 +101,20 @@ def headroom_words(h: FamilyHeadroom) -> str:
     """What the family's numbers mean for RL, in one sentence."""
     k = h.samples_per_prompt
     if h.no_headroom and h.prompts_with_pass == 0:
-        return (f"{h.family}: 0 of {k} samples pass on any of its {h.prompts} prompts — RL from this model cannot be "
-                "expected to help here; improve SFT or the data")
+        return (f"{h.family}: 0 of {k} samples pass on any of its {_prompts(h.prompts)} — RL from this model cannot "
+                "be expected to help here; improve SFT or the data")
     if h.no_headroom:
-        return (f"{h.family}: only {h.prompts_with_pass} of {h.prompts} prompts have a passing sample among {k} "
+        return (f"{h.family}: only {h.prompts_with_pass} of {_prompts(h.prompts)} had a passing sample among {k} "
                 f"(pass@{k} {h.pass_at_k:.0%}) — RL from this model cannot be expected to help here; improve SFT "
                 "or the data")
     if h.status == "ceiling":
         return f"{h.family}: greedy answers already pass {h.greedy_pass_at_1:.0%} — little left for RL to gain"
     return (f"{h.family}: pass@{k} {h.pass_at_k:.0%} against greedy {h.greedy_pass_at_1:.0%} — sampled answers pass "
             "where greedy ones fail: headroom for RL")
+
+
+def _prompts(n: int) -> str:
+    return f"{n} prompt" if n == 1 else f"{n} prompts"
 
 
 def probe_from_verdicts(rows: Sequence[PromptRow], greedy: Sequence[bool], sampled: Sequence[Sequence[bool]]) -> dict:
@@ -183,28 +187,31 @@ def format_headroom(probe: dict) -> str:
 def headroom_verdict(probe: dict, before: dict[str, float], after: dict[str, float], stage: str) -> list[str]:
     """Each family's gain from `before` to `after` (e.g. test pass rates of SFT and of a PPO stage) read
     against its headroom: a family with nothing to reinforce is expected not to move; one with headroom
-    that did not move points at the reward."""
-    lines = []
+    that did not move points at the reward. "Moved" is a rise of at least MIN_GAIN: a coarse reading,
+    not a significance test. The surprises come first, one line each; the expected cases one line per kind."""
+    surprises: list[str] = []
+    grouped: dict[str, list[str]] = {"moved": [], "none": [], "ceiling": []}
     for family, h in probe["per_family"].items():
         if family not in before or family not in after:
             continue
         b, a, k = before[family], after[family], h["samples_per_prompt"]
-        moved, change = a - b >= MIN_GAIN, f"{b:.0%} → {a:.0%}"
-        if h["status"] == "none" and not moved:
-            lines.append(f"{stage}: {family} did not move ({change}); its pass@{k} was {h['pass_at_k']:.0%} — "
-                         "expected: nothing to reinforce")
-        elif h["status"] == "none":
-            lines.append(f"{stage}: {family} moved ({change}) although its pass@{k} was {h['pass_at_k']:.0%} — "
-                         "passes the probe did not see (probe more prompts or samples)")
+        moved, change = a - b >= MIN_GAIN, f"{family} {b:.0%} → {a:.0%}"
+        if h["status"] == "none" and moved:
+            surprises.append(f"{stage}: {change} although its pass@{k} was {h['pass_at_k']:.0%} — passes the probe "
+                             "did not see (probe more prompts or samples)")
+        elif h["status"] == "room" and not moved:
+            surprises.append(f"{stage}: {family} had headroom (pass@{k} {h['pass_at_k']:.0%}, greedy "
+                             f"{h['greedy_pass_at_1']:.0%}) but did not move ({b:.0%} → {a:.0%}) — look at the reward")
         elif moved:
-            lines.append(f"{stage}: {family} moved ({change}); its pass@{k} was {h['pass_at_k']:.0%}")
-        elif h["status"] == "ceiling":
-            lines.append(f"{stage}: {family} did not move ({change}); greedy answers already passed "
-                         f"{h['greedy_pass_at_1']:.0%} — little left to gain")
+            grouped["moved"].append(f"{change} (pass@{k} {h['pass_at_k']:.0%})")
+        elif h["status"] == "none":
+            grouped["none"].append(f"{change} (pass@{k} {h['pass_at_k']:.0%})")
         else:
-            lines.append(f"{stage}: {family} had headroom {h['pass_at_k']:.0%} (pass@{k}; greedy "
-                         f"{h['greedy_pass_at_1']:.0%}) but did not move ({change}) — look at the reward")
-    return lines
+            grouped["ceiling"].append(f"{change} (greedy {h['greedy_pass_at_1']:.0%})")
+    heads = {"moved": "moved where there was headroom",
+             "none": "did not move, as expected: nothing to reinforce",
+             "ceiling": "did not move, already passing: little left to gain"}
+    return surprises + [f"{stage}: {heads[kind]}: {', '.join(parts)}" for kind, parts in grouped.items() if parts]
 
 
 def record_start_headroom(policy, tokenizer, validation: Sequence[PromptRow], verifier: Verifier | None, cfg,
