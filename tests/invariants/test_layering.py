@@ -11,6 +11,7 @@ LAYERS = {
     "intervals": 0,  # pure-Python statistics (Wilson, McNemar, paired differences), read by eval, report, compare
     "trl_names": 0,  # pure data (TRL flag name -> rlhflab field), read by config's unknown-flag hints
     "config": 1, "tasks": 1, "data": 1, "models": 1, "tracking": 1,
+    "parallel": 1,  # processes, reductions, engine wrapping (DDP / FSDP2); trainers call it, never torch.distributed
     "rollout": 2, "rewards": 2, "sources": 2, "checkpoint": 2,  # checkpoint sits below the trainers that call it
     "trainers": 3,
     "eval": 4,
@@ -18,6 +19,7 @@ LAYERS = {
     "sweep": 6,  # runs trainers and writes reports
     "compare": 6,  # runs trainers, evaluates their models, writes reports (beside sweep)
     "cli": 7,
+    "__main__": 8,  # `python -m rlhflab` (torchrun / accelerate launch -m rlhflab)
 }
 
 

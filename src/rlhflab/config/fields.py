@@ -166,6 +166,20 @@ class CheckpointFields:
 
 
 @dataclass(frozen=True)
+class ParallelFields:
+    """Several processes (README "Multi-process training"): launched by torchrun / accelerate launch; batch
+    sizes stay global."""
+
+    parallel_strategy: Literal["auto", "ddp", "fsdp2", "deepspeed"] = arg(
+        "auto", "how several processes hold the model: ddp (a whole copy each, gradients averaged), fsdp2 (torch's "
+                "fully_shard per decoder layer: weights, gradients and optimiser state sharded), deepspeed (through "
+                "accelerate; the rlhflab[deepspeed] extra); auto = what an accelerate config file asked for, else ddp. "
+                "One process: ignored")
+    shard_frozen_models: bool = arg(True, "fsdp2: shard the frozen models (reference, reward model) like the policy "
+                                          "(less memory) instead of a whole copy on every process (fewer gathers)")
+
+
+@dataclass(frozen=True)
 class LoraFields:
     lora_r: int = arg(0, "LoRA rank of the policy; 0 = full fine-tuning")
     lora_alpha: int = arg(16, "LoRA alpha (scale = alpha / r)")

@@ -1,0 +1,226 @@
+"""A trainable (or frozen) model wrapped by the engine a strategy names: none, DDP, FSDP2, DeepSpeed.
+
+    wrapped = parallel.wrap_model(model, world, cfg.parallel_strategy)
+    optimizer = make_optimizer(wrapped.model.parameters(), cfg)      # after wrapping (FSDP2 swaps params)
+    with wrapped.sync(last_micro_batch):
+        loss_part = wrapped(completion_loss_sum, batch) / global_tokens   # fn(model, ...) through the engine
+        wrapped.backward(loss_part)                                        # sum over ranks = the global loss
+    with wrapped.gathered() as plain:                                      # rank 0: a plain model, else None
+        ...evaluate / save on rank 0...
+
+Why `wrapped(fn, ...)`: the engines hook the forward of the module they wrap (DDP prepares its gradient
+all-reduce there; FSDP2 all-gathers a layer's shards there). Our forwards take other paths too — a
+reward model's trunk then its score head, the packed pair forward that reads weights directly — so the
+engine wraps a small module whose forward *is* `fn(model, ...)`: every training forward goes through it.
+
+FSDP2 (`fully_shard` on each decoder layer, then on that module as the root) keeps only shards of the
+weights on each rank. Forwards that read whole weights directly (the lean paths of `models`) cannot
+run on it: `holds_shards(model)` says when to take the ordinary forward. Rank 0 keeps one plain copy
+of the model for held-out evaluation and the final save (`gathered`): it costs one model's memory
+there, and keeps evaluation the single-process one, bit for bit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import importlib.util
+import logging
+import os
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from rlhflab.errors import UserInputError
+from rlhflab.parallel.world import World
+
+log = logging.getLogger("rlhflab")
+
+STRATEGIES = ("auto", "ddp", "fsdp2", "deepspeed")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a run's processes hold the trained model: what a checkpoint records and a resume must match."""
+
+    strategy: str  # "none" (one process), "ddp", "fsdp2", "deepspeed"
+    world: World
+
+    @property
+    def sharded(self) -> bool:
+        """Each rank holds only part of the weights and optimiser state (saved through torch.distributed.checkpoint)."""
+        return self.strategy in ("fsdp2", "deepspeed")
+
+    def describe(self) -> dict:
+        return {"strategy": self.strategy, "world_size": self.world.world_size, "sharded_state": self.sharded}
+
+
+def resolve_strategy(requested: str, world: World) -> str:
+    """'none' in one process; 'auto' = what `accelerate launch --config_file` asked for (FSDP, DeepSpeed), else ddp."""
+    if requested not in STRATEGIES:
+        raise UserInputError(f"unknown parallel_strategy '{requested}'", "--parallel_strategy",
+                             f"use one of {', '.join(STRATEGIES)}")
+    if not world.distributed:
+        return "none"
+    if requested != "auto":
+        return requested
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":
+        return "deepspeed"
+    if os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true":
+        return "fsdp2"
+    return "ddp"
+
+
+def holds_shards(model: nn.Module) -> bool:
+    """Whether the model's parameters are FSDP2 shards (DTensors): then no forward may read whole weights."""
+    return any(type(p).__name__ == "DTensor" for p in model.parameters())
+
+
+class _Forward(nn.Module):
+    """What the engine wraps: its forward runs `fn(model, *args, **kwargs)` (see the module doc)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, fn: Callable, *args, **kwargs):
+        return fn(self.model, *args, **kwargs)
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The model's repeated blocks: the classes transformers lists in `_no_split_modules` (accelerate's
+    FSDP auto-wrap reads the same list), found inside a PeftModel too."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    names = set(getattr(base, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        raise UserInputError(f"{type(base).__name__} names no decoder-layer class (_no_split_modules), so FSDP2 "
+                             "cannot shard it layer by layer", "--parallel_strategy fsdp2", "use ddp")
+    return layers
+
+
+class Wrapped:
+    """A model and the engine around it; see the module doc for the calls a trainer makes."""
+
+    def __init__(self, model: nn.Module, engine: nn.Module, layout: Layout, plain: nn.Module | None = None):
+        self.model = model  # as built: parameter names unchanged (FSDP2: DTensor shards)
+        self.engine = engine  # the wrapped _Forward
+        self.layout = layout
+        self._plain = plain  # FSDP2, rank 0: an unsharded copy that `gathered` fills
+
+    @property
+    def world(self) -> World:
+        return self.layout.world
+
+    @property
+    def strategy(self) -> str:
+        return self.layout.strategy
+
+    def __call__(self, fn: Callable, *args, **kwargs):
+        """`fn(model, *args, **kwargs)` as a forward of the engine (gradient hooks, shard gathering)."""
+        return self.engine(fn, *args, **kwargs)
+
+    def backward(self, loss_part: torch.Tensor) -> None:
+        """Backward of this rank's part of the global loss (the parts sum to it over ranks). The engines
+        average gradients over ranks, so the part is scaled by the world size first."""
+        scale = self.world.world_size if self.world.distributed else 1
+        (loss_part * scale if scale != 1 else loss_part).backward()
+
+    @contextlib.contextmanager
+    def sync(self, enabled: bool = True) -> Iterator[None]:
+        """Wrap forward and backward of a micro-batch: gradients are reduced over ranks only when `enabled`
+        (the step's last micro-batch); the others accumulate locally, the same sum with fewer collectives."""
+        if enabled or self.strategy == "none":
+            yield
+        elif self.strategy == "ddp":
+            with self.engine.no_sync():
+                yield
+        elif self.strategy == "fsdp2":
+            self.engine.set_requires_gradient_sync(False)
+            try:
+                yield
+            finally:
+                self.engine.set_requires_gradient_sync(True)
+        else:  # deepspeed accumulates through its own engine
+            yield
+
+    @contextlib.contextmanager
+    def gathered(self) -> Iterator[nn.Module | None]:
+        """Rank 0: a plain (unwrapped, whole-weight) model holding the current weights; other ranks: None.
+        Every rank must enter it (FSDP2 gathers the shards here)."""
+        if self.strategy != "fsdp2":
+            yield self.model if self.world.is_main else None
+            return
+        from rlhflab.parallel.state import full_model_state
+
+        full = full_model_state(self.model)  # collective; the whole state on rank 0 only
+        if self._plain is None:
+            yield None
+            return
+        self._plain.load_state_dict(full)
+        self._plain.train(self.model.training)
+        yield self._plain
+
+
+def _broadcast_parameters(model: nn.Module) -> None:
+    """Rank 0's weights everywhere, so the shards FSDP2 keeps all come from one model (DDP does it itself)."""
+    with torch.no_grad():
+        for tensor in model.state_dict().values():
+            dist.broadcast(tensor, src=0)
+
+
+def _fsdp2(model: nn.Module, world: World, keep_plain: bool) -> tuple[nn.Module, nn.Module | None]:
+    from torch.distributed.fsdp import fully_shard
+
+    _broadcast_parameters(model)
+    plain = copy.deepcopy(model) if keep_plain and world.is_main else None
+    for layer in decoder_layers(model):
+        fully_shard(layer)
+    engine = _Forward(model)
+    fully_shard(engine)  # the root: embeddings, final norm, heads
+    return engine, plain
+
+
+def _ddp(model: nn.Module, world: World) -> nn.Module:
+    from torch.nn.parallel import DistributedDataParallel
+
+    device_ids = [world.device.index] if world.device.type == "cuda" else None
+    return DistributedDataParallel(_Forward(model), device_ids=device_ids)
+
+
+def require_deepspeed() -> None:
+    if importlib.util.find_spec("deepspeed") is None:
+        raise UserInputError("parallel_strategy deepspeed needs the deepspeed package, which is not installed",
+                             "--parallel_strategy deepspeed",
+                             "pip install 'rlhflab[deepspeed]' (CUDA machines), or use fsdp2: torch's own sharding "
+                             "of weights, gradients and optimiser state, ZeRO-3's equivalent")
+
+
+def wrap_model(model: nn.Module, world: World, strategy: str = "auto") -> Wrapped:
+    """`model` (already on `world.device`, LoRA applied) wrapped for training by `strategy`; build the
+    optimiser afterwards, on `wrapped.model.parameters()`."""
+    layout = Layout(resolve_strategy(strategy, world), world)
+    if layout.strategy == "none":
+        return Wrapped(model, _Forward(model), layout)
+    if layout.strategy == "ddp":
+        return Wrapped(model, _ddp(model, world), layout)
+    if layout.strategy == "fsdp2":
+        engine, plain = _fsdp2(model, world, keep_plain=True)
+        return Wrapped(model, engine, layout, plain)
+    require_deepspeed()
+    raise UserInputError("parallel_strategy deepspeed is not wired into the offline trainers yet", "--parallel_strategy",
+                         "use fsdp2 (sharded weights, gradients and optimiser state) or ddp")
+
+
+def wrap_frozen(model: nn.Module, world: World, strategy: str = "auto", shard: bool = True) -> Wrapped:
+    """A model that never trains (reference, reward model): under FSDP2 sharded like the policy when
+    `shard` (every rank must then run its forwards in lockstep), else replicated on every rank."""
+    model.requires_grad_(False)
+    layout = Layout(resolve_strategy(strategy, world), world)
+    if layout.strategy == "fsdp2" and shard:
+        engine, _ = _fsdp2(model, world, keep_plain=False)
+        return Wrapped(model, engine, layout)
+    return Wrapped(model, _Forward(model), Layout("none" if not world.distributed else "replicated", world))
