@@ -15,7 +15,8 @@ from rlhflab import compare, data, models
 from rlhflab.cli import main
 from rlhflab.config import CompareConfig, DemoConfig
 from rlhflab.errors import UserInputError
-from rlhflab.report.method_compare import mcnemar_p, paired_counts, verdict_lines
+from rlhflab.intervals import mcnemar_p, paired_counts
+from rlhflab.report.method_compare import verdict_lines
 from rlhflab.rollout import GenerationSettings, generate, response_logprobs
 from rlhflab.tracking import RunDir, RunResult
 
@@ -229,8 +230,10 @@ def test_mcnemar_against_hand_worked_values():
     assert mcnemar_p(6, 0) == 2 / 64
     assert mcnemar_p(3, 1) == mcnemar_p(1, 3) == 2 * (1 + 4) / 16
     assert mcnemar_p(10, 10) == 1.0
-    assert paired_counts([True, False, False, True], [True, True, True, False]) == {
-        "fixed": 2, "broken": 1, "p_value": 1.0}
+    counts = paired_counts([True, False, False, True], [True, True, True, False])
+    assert {k: counts[k] for k in ("fixed", "broken", "p_value", "difference", "n")} == {
+        "fixed": 2, "broken": 1, "p_value": 1.0, "difference": 0.25, "n": 4}
+    assert counts["low"] < 0 < counts["high"]  # McNemar p = 1: the interval straddles 0
 
 
 def _summary(rates, kl=None):
@@ -248,8 +251,9 @@ def test_verdict_says_which_gain_is_beyond_noise():
     lines = verdict_lines(_summary({"start": 0.0, "grpo": 0.75, "rloo": 0.7}),
                           {"start": start, "grpo": grpo, "rloo": rloo})
     assert lines[0].startswith("Most gain on the 40 held-out test prompts: grpo: 75.0% (+75.0 pts")
-    assert "beyond noise (paired over the test prompts: 30 better, 0 worse" in lines[0]
-    assert lines[1].startswith("Runner-up rloo: 70.0%") and "within noise (paired over the test prompts: 2 better, 0 worse" in lines[1]
+    assert "beyond noise: +75.0 pts [+57.6, +75.0] (paired over the test prompts: 30 better, 0 worse" in lines[0]
+    assert lines[1].startswith("Runner-up rloo: 70.0%")
+    assert "within noise: +5.0 pts [-3.4, +5.0] (paired over the test prompts: 2 better, 0 worse" in lines[1]
     tied = verdict_lines(_summary({"start": 0.5, "a": 0.5, "b": 0.5}, kl={"a": 2.0, "b": 0.5}),
                          {"start": [True, False], "a": [False, True], "b": [True, False]})
     assert tied[0].startswith("No method raised the test pass rate above the start's 50.0%")

@@ -68,6 +68,7 @@ def print_report(run_dir: Path) -> None:
 def run_demo(cfg) -> int:
     from rlhflab.compare import format_compare_table, run_demo_with_comparison as demo
     from rlhflab.eval import format_table
+    from rlhflab.eval.pass_rate import CELL, describe_versus
 
     result = demo(cfg)  # the demo, then with --compare the methods compared from its SFT model
     summary = result.summary
@@ -75,7 +76,9 @@ def run_demo(cfg) -> int:
     print(format_table(demo_tables, title=f"test pass rate ({summary['decoding']})"))  # compare's: its own table
     if summary.get("test_rm_score"):
         scores = summary["test_rm_score"]
-        print(f"{'RM score':<12}  " + "  ".join(f"{scores[name]:>8.2f}" for name in demo_tables))
+        print(f"{'RM score':<12}  " + "  ".join(f"{scores[name]:>{CELL}.2f}" for name in demo_tables))
+    for line in describe_versus(summary.get("test_vs_sft") or {}, "sft", sum(demo_tables["sft"]["counts"].values())):
+        print(line)  # each RL model vs SFT: the paired interval says whether the gain is more than noise
     for name, kl in summary["kl_to_reference"].items():
         print(f"KL to the reference at the end of {name}: {kl:.2f} nats per response")
     if summary.get("rm"):

@@ -38,6 +38,7 @@ from rlhflab.config import (
     write_config,
 )
 from rlhflab.eval import RunMonitor, answer_and_check, eval_prompts, table_from_rows
+from rlhflab.eval.pass_rate import paired_versus
 from rlhflab.eval.rm_diagnosis import diagnose
 from rlhflab.errors import UserInputError
 from rlhflab.tracking import RunDir, RunResult, default_run_path
@@ -216,6 +217,7 @@ def run_demo(cfg: DemoConfig) -> RunResult:
         test_pass_rate={name: t["overall"] for name, t in tables.items()},
         test_rm_score=rm_scores,
         test_tables=tables,
+        test_vs_sft=paired_versus(answers, "sft"),  # each RL model's gain, paired over the test prompts
         rm=rm_summary,
         headroom_verdict=verdict,
         kl_to_reference={name: f["objective/kl"] for name, f in finals.items()},

@@ -152,14 +152,23 @@ def unpaired_difference(before: Interval, after: Interval) -> Interval:
     return Interval(d, max(-1.0, low), min(1.0, high), min(before.n, after.n))
 
 
-def difference_from_dict(found: dict | None) -> Interval | None:
-    """An Interval back from summary.json's {"difference", "low", "high", "n"}; None if incomplete."""
+def _from_dict(found: dict | None, first: str) -> Interval | None:
     if not isinstance(found, dict):
         return None
-    values = [found.get(k) for k in ("difference", "low", "high", "n")]
+    values = [found.get(k) for k in (first, "low", "high", "n")]
     if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
         return None
     return Interval(float(values[0]), float(values[1]), float(values[2]), int(values[3]))
+
+
+def rate_from_dict(found: dict | None) -> Interval | None:
+    """An Interval back from summary.json's {"rate", "low", "high", "n"}; None if absent or incomplete."""
+    return _from_dict(found, "rate")
+
+
+def difference_from_dict(found: dict | None) -> Interval | None:
+    """An Interval back from summary.json's {"difference", "low", "high", "n"}; None if absent or incomplete."""
+    return _from_dict(found, "difference")
 
 
 # --- the rule, in words --------------------------------------------------------------------------------------

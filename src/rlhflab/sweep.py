@@ -8,7 +8,11 @@ parsed and every run's config checked before the first run starts, so a typo in 
 third value does not surface an hour into the sweep. At the end `OUT/comparison.html`
 (rlhflab.report.write_comparison) overlays the runs' curves and lists their config
 differences, and `OUT/sweep.json` holds the table the console prints: per value the
-final held-out number, final KL, alarms and wall time.
+final held-out number with its 95 % interval, its difference from the best value with the
+interval of that difference (rlhflab.intervals), final KL, alarms and wall time. A value is
+said to beat another only when that interval excludes 0; the runs answer the same validation
+prompts but keep only a few answers each, so the difference is unpaired (Newcombe), which is
+conservative.
 
 This module runs trainers and writes reports, so it sits above both (layer 6, below cli).
 """
@@ -32,7 +36,9 @@ from typing import Any, Literal
 from rlhflab.config import STAGES, field_names, parse_config
 from rlhflab.errors import UserInputError
 from rlhflab.eval import RunMonitor
+from rlhflab.intervals import Interval, percent, points, rate_interval, unpaired_difference, verdict
 from rlhflab.report import is_run_folder, write_comparison, write_report
+from rlhflab.report.verdict import prompt_count
 from rlhflab.tracking import RUN_MARKERS, default_run_path
 from rlhflab.trainers import reward, sft
 
@@ -86,6 +92,16 @@ class SweepRun:
     summary: dict
     wall_time_s: float
     error: str | None = None
+    held_out_n: int | None = None  # prompts (rm: pairs) behind the held-out number; None: unknown or not a rate
+
+
+def held_out_count(stage: str, summary: dict, cfg: Any) -> int | None:
+    """How many validation prompts (rm: pairs) the held-out rate rests on; None for a reward mean or a count unknown."""
+    if stage == "rm":
+        pairs = ((summary.get("pairs") or {}).get("validation") or {}).get("pairs")
+        return pairs if isinstance(pairs, int) else None
+    is_rate = "validation_pass_rate" in summary or "val/pass_rate" in (summary.get("validation") or {})
+    return prompt_count(dataclasses.asdict(cfg), summary.get("validation_pass_rate")) if is_rate else None
 
 
 def parse_value(field: str, text: str, kind: Any) -> Any:
@@ -219,7 +235,8 @@ def run_sweep(plan: SweepPlan) -> list[SweepRun]:
         except FloatingPointError as err:
             error = str(err)
             log.warning("sweep %s=%s stopped: %s", plan.field, label, err)
-        runs.append(SweepRun(label, Path(cfg.output_dir), summary, round(time.time() - started, 1), error))
+        runs.append(SweepRun(label, Path(cfg.output_dir), summary, round(time.time() - started, 1), error,
+                             held_out_count(plan.stage, summary, cfg)))
         try:
             if is_run_folder(Path(cfg.output_dir)):
                 write_report(cfg.output_dir)
@@ -236,14 +253,30 @@ def _number(value: Any) -> float | None:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
-def table_rows(stage: str, runs: list[SweepRun]) -> list[dict[str, Any]]:
-    """Per run: the value, final held-out number, final KL, alarms fired, wall time (and any error)."""
+def held_out_intervals(stage: str, runs: list[SweepRun]) -> tuple[list[Interval | None], list[Interval | None]]:
+    """Each run's held-out rate with its 95 % interval, and its difference from the best run's (unpaired)."""
     read_held_out = HELD_OUT[stage][1]
-    rows = []
+    rates = []
     for run in runs:
+        value = _number(read_held_out(run.summary))
+        rates.append(rate_interval(value, run.held_out_n) if value is not None and run.held_out_n else None)
+    known = [r for r in rates if r is not None]
+    best = max(known, key=lambda r: r.estimate) if known else None
+    return rates, [unpaired_difference(best, r) if r is not None and best is not None else None for r in rates]
+
+
+def table_rows(stage: str, runs: list[SweepRun]) -> list[dict[str, Any]]:
+    """Per run: the value, final held-out number (with its 95 % interval and its difference from the best run's),
+    final KL, alarms fired, wall time (and any error)."""
+    read_held_out = HELD_OUT[stage][1]
+    rates, versus_best = held_out_intervals(stage, runs)
+    rows = []
+    for run, rate, diff in zip(runs, rates, versus_best):
         alarms = run.summary.get("alarms")
         rows.append({
             "value": run.label, "held_out": _number(read_held_out(run.summary)),
+            "held_out_interval": rate.as_rate() if rate is not None else None,
+            "vs_best": {**diff.as_difference(), "verdict": verdict(diff)} if diff is not None else None,
             "final_kl": _number((run.summary.get("final") or {}).get("objective/kl")),
             "alarms": [f"{a.get('name')}@{a.get('step')}" for a in alarms] if isinstance(alarms, list) else None,
             "stopped_at": (run.summary.get("stopped") or {}).get("step"),
@@ -267,20 +300,49 @@ def _cell(value: Any, kind: str) -> str:
     return {"pct": f"{value:.1%}", "kl": f"{value:.3g}", "s": f"{value:.1f}"}.get(kind, str(value))
 
 
+def _held_out_cells(row: dict[str, Any]) -> tuple[str, str]:
+    """('62.0% [52.2–70.9]', '-3.0 pts [-16.5, +10.6] within noise') or plain numbers without an interval."""
+    rate = row["held_out_interval"]
+    if rate is None:
+        return _cell(row["held_out"], "pct"), "—"
+    diff = row["vs_best"]
+    interval = Interval(diff["difference"], diff["low"], diff["high"], diff["n"])
+    versus = "best" if diff["difference"] == 0 else f"{points(interval)} {diff['verdict']}"
+    return percent(Interval(rate["rate"], rate["low"], rate["high"], rate["n"])), versus
+
+
 def format_sweep_table(plan: SweepPlan, runs: list[SweepRun]) -> str:
-    """The plain-text table the console shows: one line per value, columns aligned."""
+    """The plain-text table the console shows: one line per value, columns aligned, then what is beyond noise."""
     held_label = HELD_OUT[plan.stage][0]
-    header = [plan.field, held_label, "final KL", "alarms fired", "wall time (s)"]
+    header = [plan.field, f"{held_label} [95 %]", "vs best [95 %]", "final KL", "alarms fired", "wall time (s)"]
     lines = [header]
-    for row in table_rows(plan.stage, runs):
+    rows = table_rows(plan.stage, runs)
+    for row in rows:
         alarms = "—" if row["alarms"] is None else ", ".join(row["alarms"]) or "none"
         if row["stopped_at"] is not None:
             alarms += f" (stopped at {row['stopped_at']})"
         if row["error"]:
             alarms = f"run stopped: {row['error'][:60]}"
-        lines.append([row["value"], _cell(row["held_out"], "pct"), _cell(row["final_kl"], "kl"), alarms,
+        lines.append([row["value"], *_held_out_cells(row), _cell(row["final_kl"], "kl"), alarms,
                       _cell(row["wall_time_s"], "s")])
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-    text = ["  ".join(c.ljust(w) if i in (0, 3) else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths))).rstrip()
+    text = ["  ".join(c.ljust(w) if i in (0, 4) else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths))).rstrip()
             for line in lines]
-    return "\n".join([text[0], "  ".join("-" * w for w in widths), *text[1:]])
+    return "\n".join([text[0], "  ".join("-" * w for w in widths), *text[1:], noise_line(plan.field, rows)])
+
+
+def noise_line(field: str, rows: list[dict[str, Any]]) -> str:
+    """Which values the best one beats beyond noise: the one rule (a difference's 95 % interval excludes 0)."""
+    judged = [r for r in rows if r["vs_best"] is not None]
+    if len(judged) < 2:
+        return "no 95 % interval: the held-out number is a reward mean, or its prompt count is unknown"
+    best = next(r for r in judged if r["vs_best"]["difference"] == 0)
+    beaten = [r["value"] for r in judged if r["vs_best"]["verdict"] == "worse"]
+    close = [r["value"] for r in judged if r is not best and r["vs_best"]["verdict"] != "worse"]
+    n = best["held_out_interval"]["n"]
+    said = [f"{field}={best['value']} has the best held-out number"]
+    if beaten:
+        said.append(f"better beyond noise than {', '.join(beaten)}")
+    if close:
+        said.append(f"within noise of {', '.join(close)}")
+    return "; ".join(said) + f" (95 % intervals over {n} held-out prompts, unpaired: conservative)"

@@ -44,6 +44,11 @@ def test_demo_prints_the_pass_rate_table_and_writes_a_full_run_folder(demo_run):
     assert set(summary["test_pass_rate"]) == {"sft", "ppo", "ppo_rm"} and set(summary["kl_to_reference"]) == {"ppo", "ppo_rm"}
     assert set(summary["test_rm_score"]) == {"sft", "ppo", "ppo_rm"}
     assert {"test_accuracy", "margin", "pass_fail_correlation"} <= set(summary["rm"])
+    for name in ("ppo", "ppo_rm"):  # each RL model's gain over SFT, paired over the 11 test prompts, is printed
+        versus = summary["test_vs_sft"][name]
+        assert versus["n"] == 11 and versus["low"] <= versus["difference"] <= versus["high"]
+        assert f"{name} vs sft: {100 * versus['difference']:+.1f} pts [" in proc.stdout
+    assert summary["test_tables"]["sft"]["intervals"]["overall"]["n"] == 11
     samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
     assert len(samples) == 33 and {"stage", "prompt", "answer", "passed", "reason"} <= set(samples[0])
     for stage in ("sft", "ppo", "ppo_rm"):

@@ -57,7 +57,8 @@ VERSIONS = {"python": "3.11.7", "torch": "2.13.0+cpu", "platform": "Linux", "cpu
 
 @pytest.fixture
 def ppo_run(tmp_path):
-    return write_run(tmp_path / "ppo_run", config={"seed": 7, "learning_rate": 1e-4, "model": "sft/model"},
+    return write_run(tmp_path / "ppo_run", config={"seed": 7, "learning_rate": 1e-4, "model": "sft/model",
+                                                   "eval_prompts": 100, "num_validation_prompts": 300},
                      metrics=ppo_metrics(), samples=sample_rows(), summary=PPO_SUMMARY, versions=VERSIONS)
 
 

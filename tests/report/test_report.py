@@ -26,22 +26,68 @@ def test_report_is_valid_html_with_embedded_png_curves(ppo_run, checked):
 def test_verdict_numbers_come_from_the_summary(ppo_run, checked, section_of):
     text = write_report(ppo_run).read_text()
     verdict = section_of(text, "Did the model get better on held-out prompts?")
-    assert "held-out validation pass rate 49.0% → 67.0% (+18.0 points" in verdict
+    # 100 validation prompts (config: eval_prompts 100 of 300): Wilson per rate, Newcombe for the change
+    assert ("held-out validation pass rate 49.0% [39.4–58.7] → 67.0% [57.3–75.4] (+18.0 pts [+4.3, +30.8], better, "
+            "unpaired over 100 prompts each; start → end)") in verdict
     assert "Better on the held-out check." in verdict
 
 
 def test_a_drop_is_reported_as_worse(make_run, tmp_path, section_of):
-    run = make_run(tmp_path / "r", summary={"validation_pass_rate": {"start": 0.6, "end": 0.45}})
+    run = make_run(tmp_path / "r", summary={"validation_pass_rate": {"start": 0.6, "end": 0.45, "n": 300}})
     verdict = section_of(write_report(run).read_text(), "Did the model get better on held-out prompts?")
-    assert "60.0% → 45.0% (-15.0 points" in verdict and "Worse on the held-out check." in verdict
+    assert "60.0% [54.4–65.4] → 45.0% [39.5–50.7] (-15.0 pts [-22.7, -7.0], worse" in verdict
+    assert "Worse on the held-out check." in verdict
 
 
-def test_demo_verdict_compares_each_model_with_sft(make_run, tmp_path, section_of):
+def test_a_change_without_a_prompt_count_is_never_called_better(make_run, tmp_path, section_of):
+    run = make_run(tmp_path / "r", summary={"validation_pass_rate": {"start": 0.4, "end": 0.6}})  # no n, no config
+    verdict = section_of(write_report(run).read_text(), "Did the model get better on held-out prompts?")
+    assert "40.0% → 60.0% (+20.0 points, no interval: prompt count unknown" in verdict
+    assert "Better" not in verdict and "not shown to be more than noise" in verdict
+
+
+def _demo_run(make_run, path, passing: dict[str, range], n: int = 300):
+    """A demo folder whose test answers pass exactly the given prompt indices (families lowercase / yes_no / sum)."""
+    families = ["lowercase", "yes_no", "sum_result"]
+    samples = [{"stage": name, "family": families[i % 3], "prompt": f"prompt {i}", "answer": "a", "passed": i in passes}
+               for name, passes in passing.items() for i in range(n)]
+    tables = {}
+    for name, passes in passing.items():
+        counts = {f: sum(1 for i in range(n) if families[i % 3] == f) for f in families}
+        per_family = {f: sum(1 for i in passes if families[i % 3] == f) / counts[f] for f in families}
+        tables[name] = {"overall": len(passes) / n, "per_family": per_family, "counts": counts}
+    summary = {"stage": "demo", "test_pass_rate": {k: t["overall"] for k, t in tables.items()}, "test_tables": tables}
+    return make_run(path, summary=summary, samples=samples)
+
+
+def test_demo_verdict_compares_each_model_with_sft_prompt_by_prompt(make_run, tmp_path, section_of):
+    # sft passes prompts 0-146 (49%); ppo 19-219 (67%: 73 fixed, 19 broken); ppo_rm 30-149 (40%: 3 fixed, 30 broken)
+    run = _demo_run(make_run, tmp_path / "demo", {"sft": range(147), "ppo": range(19, 220), "ppo_rm": range(30, 150)})
+    text = write_report(run).read_text()
+    verdict = section_of(text, "Did the model get better on held-out prompts?")
+    assert ("49.0% [43.4–54.6] → 67.0% [61.5–72.1] (+18.0 pts [+12.0, +22.7], better, paired over 300 prompts; "
+            "sft → ppo)") in verdict
+    assert "49.0% [43.4–54.6] → 40.0% [34.6–45.6] (-9.0 pts [-10.6, -5.6], worse, paired over 300 prompts" in verdict
+    assert "Mixed: better on ppo; worse on ppo_rm." in verdict
+    families = section_of(text, "Pass rate per family")
+    assert re.search(r"overall</th><td[^>]*>49.0% \[43.4–54.6\]</td>", families)
+    assert "paired over the same prompts" in families
+
+
+def test_demo_verdict_says_within_noise_for_a_small_gain_on_300_prompts(make_run, tmp_path, section_of):
+    # ppo: 14 of sft's passes lost, 20 new ones: +2 points, McNemar p = 0.39
+    run = _demo_run(make_run, tmp_path / "demo", {"sft": range(147), "ppo": range(14, 167)})
+    verdict = section_of(write_report(run).read_text(), "Did the model get better on held-out prompts?")
+    assert "Within noise on the held-out check: the 95 % interval of the difference includes 0 " \
+           "(ppo +2.0 pts [-2.1, +5.7])." in verdict
+    assert "Better" not in verdict and 'class="verdict neutral"' in verdict
+
+
+def test_demo_verdict_without_samples_falls_back_to_unpaired_intervals(make_run, tmp_path, section_of):
     run = make_run(tmp_path / "demo", summary={"stage": "demo", "test_pass_rate": {"sft": 0.49, "ppo": 0.67, "ppo_rm": 0.4}})
     verdict = section_of(write_report(run).read_text(), "Did the model get better on held-out prompts?")
-    assert "49.0% → 67.0% (+18.0 points, sft → ppo)" in verdict
-    assert "49.0% → 40.0% (-9.0 points, sft → ppo_rm)" in verdict
-    assert "Mixed" in verdict
+    assert "49.0% → 67.0% (+18.0 points, no interval: prompt count unknown; sft → ppo)" in verdict
+    assert "Mixed: higher on ppo; lower on ppo_rm." in verdict
 
 
 def test_no_held_out_check_is_said_plainly(make_run, tmp_path, section_of):
@@ -53,9 +99,11 @@ def test_no_held_out_check_is_said_plainly(make_run, tmp_path, section_of):
 def test_sft_verdict_falls_back_to_validation_rows_in_metrics(make_run, tmp_path, section_of):
     rows = [{"step": 200, "val/pass_rate": 0.08}, {"step": 400, "val/pass_rate": float("nan")},
             {"step": 600, "val/pass_rate": 0.57}]
-    run = make_run(tmp_path / "sft", metrics=rows, summary={"stage": "sft"})
+    run = make_run(tmp_path / "sft", metrics=rows, summary={"stage": "sft"},
+                   config={"eval_prompts": 100, "num_validation_prompts": 300, "validation_file": ""})
     verdict = section_of(write_report(run).read_text(), "Did the model get better on held-out prompts?")
-    assert "8.0% → 57.0% (+49.0 points, step 200 → step 600)" in verdict
+    assert "8.0% [4.1–15.0] → 57.0% [47.2–66.3] (+49.0 pts [+37.0, +59.1], better, unpaired over 100 prompts each; " \
+           "step 200 → step 600)" in verdict
 
 
 def test_text_from_the_model_and_files_is_escaped(make_run, tmp_path, samples_rows, checked):

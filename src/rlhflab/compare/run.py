@@ -19,7 +19,8 @@ from rlhflab.config import write_config
 from rlhflab.errors import Interrupted, UserInputError
 from rlhflab.eval import RunMonitor, table_from_rows
 from rlhflab.report import write_report
-from rlhflab.report.method_compare import paired_counts, verdict_lines, write_method_comparison
+from rlhflab.intervals import paired_counts
+from rlhflab.report.method_compare import verdict_lines, write_method_comparison
 from rlhflab.tracking import RunDir, RunResult
 from rlhflab.trainers.setup import configure_threads, seed_everything
 

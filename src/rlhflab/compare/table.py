@@ -1,9 +1,15 @@
-"""The console table of a comparison's summary.json (`rlhflab compare`, `rlhflab demo --compare`)."""
+"""The console table of a comparison's summary.json (`rlhflab compare`, `rlhflab demo --compare`).
+
+Every test pass rate shows its 95 % interval and every gain the 95 % interval of its paired
+difference from the start (rlhflab.intervals): "better" only where that interval excludes 0.
+"""
 
 from __future__ import annotations
 
 import math
 from typing import Any
+
+from rlhflab.intervals import difference_from_dict, percent, points, rate_from_dict, verdict
 
 
 def _cell(value: Any, kind: str) -> str:
@@ -13,17 +19,32 @@ def _cell(value: Any, kind: str) -> str:
             "eps": f"{value:.1f}"}[kind]
 
 
+def _rate(summary: dict, name: str) -> str:
+    """'36.3% [31.1–41.9]': a model's test pass rate with its interval (as plain % for an older summary)."""
+    interval = rate_from_dict(((summary.get("test_tables") or {}).get(name) or {}).get("intervals", {}).get("overall"))
+    return percent(interval) if interval is not None else _cell(summary["test_pass_rate"].get(name), "pct")
+
+
+def _gain(m: dict) -> str:
+    """'+6.7 pts [+1.3, +11.3] better': the gain over the start, paired over the test prompts."""
+    diff = difference_from_dict(m.get("vs_start"))
+    return f"{points(diff)} {verdict(diff)}" if diff is not None else _cell(m["gain"], "pts")
+
+
 def format_compare_table(summary: dict) -> str:
-    """method | test pass | gain | KL | wall s | episodes/s, one line per model (the start first), aligned."""
+    """method | test pass [95 % interval] | gain [95 % interval] | KL | wall s | episodes/s, one line per model (the
+    start first), aligned."""
     lines = [["method", "test pass", "gain", "KL", "wall s", "episodes/s"],
-             ["start", _cell(summary["test_pass_rate"]["start"], "pct"), "", "0", "", ""]]
+             ["start", _rate(summary, "start"), "", "0", "", ""]]
     for name, m in summary["methods"].items():
         if "error" in m:
             lines.append([name, f"failed: {m['error'][:70]}", "", "", _cell(m.get("wall_s"), "s"), ""])
             continue
-        lines.append([name, _cell(m["test_pass_rate"], "pct"), _cell(m["gain"], "pts"), _cell(m["kl_to_reference"], "kl"),
-                      _cell(m["wall_s"], "s"), _cell(m["episodes_per_s"], "eps")])
+        lines.append([name, _rate(summary, name), _gain(m), _cell(m["kl_to_reference"], "kl"), _cell(m["wall_s"], "s"),
+                      _cell(m["episodes_per_s"], "eps")])
     widths = [max(len(line[i]) for line in lines if not line[1].startswith("failed") or i != 1) for i in range(6)]
     text = ["  ".join(c.ljust(w) if i == 0 or c.startswith("failed") else c.rjust(w)
                       for i, (c, w) in enumerate(zip(line, widths))).rstrip() for line in lines]
-    return "\n".join([text[0], "  ".join("-" * w for w in widths), *text[1:]])
+    footer = ("[low–high]: 95 % intervals; a gain is paired over the test prompts (exact McNemar) and called better "
+              "or worse only where its interval excludes 0")
+    return "\n".join([text[0], "  ".join("-" * w for w in widths), *text[1:], footer])

@@ -1,7 +1,8 @@
-"""Held-out pass rate: answer a split's prompts, check every answer, tabulate."""
+"""Held-out pass rate: answer a split's prompts, check every answer, tabulate — every rate with its 95 % interval."""
 
 from __future__ import annotations
 
+import math
 import time
 
 from rlhflab import models, rewards, sources, tasks
@@ -9,10 +10,15 @@ from rlhflab.config import EvalConfig, write_config
 from rlhflab.data.prompt_rows import PromptRow
 from rlhflab.errors import UserInputError
 from rlhflab.rollout.backends import backend_from_config, check_backend, use_backend
+from rlhflab.intervals import (Interval, difference_from_dict, paired_counts, percent, points, rate_from_dict,
+                               verdict, wilson)
 from rlhflab.tracking import RunDir, RunResult, default_run_path
 from rlhflab.trainers.setup import configure_threads, resolve_device, seed_everything
 from rlhflab.trainers.validation import checked_answers as answer_and_check
-from rlhflab.trainers.validation import pass_rate_table as table_from_rows
+from rlhflab.trainers.validation import pass_rate_table
+
+OVERALL = "overall"
+CELL = 18  # width of one model's column: "100.0% [98.7–100.0]"
 
 
 def eval_prompts(cfg, tokenizer=None) -> list[PromptRow]:
@@ -35,20 +41,65 @@ def eval_verifier(cfg, rows: list[PromptRow]) -> rewards.Verifier:
     return rewards.CheckerVerifier()
 
 
+def table_from_rows(rows: list[dict]) -> dict:
+    """Overall and per-family pass rate of verified rows (trainers.validation.pass_rate_table) plus
+    `intervals`: {"overall" | family: {"rate", "low", "high", "n"}}, each rate's 95 % Wilson interval."""
+    table = pass_rate_table(rows)
+    passes = {f: sum(1 for r in rows if r["family"] == f and r["passed"]) for f in table["counts"]}
+    intervals = {OVERALL: wilson(sum(passes.values()), len(rows)).as_rate()}
+    intervals |= {f: wilson(passes[f], n).as_rate() for f, n in table["counts"].items()}
+    return {**table, "intervals": intervals}
+
+
+def interval_of(table: dict, key: str = OVERALL) -> Interval | None:
+    """The stored interval of a table's overall (or one family's) rate; None for a table written without one."""
+    return rate_from_dict((table.get("intervals") or {}).get(key))
+
+
+def _cell(table: dict, key: str, digits: int) -> str:
+    rate = table["overall"] if key == OVERALL else table["per_family"].get(key, float("nan"))
+    interval = interval_of(table, key)
+    if interval is not None:
+        return percent(interval, digits)
+    return "—" if rate is None or math.isnan(rate) else f"{rate:.{digits}%}"
+
+
 def format_table(tables: dict[str, dict], title: str = "held-out pass rate") -> str:
-    """Side-by-side per-family pass rates, one column per named table (e.g. sft, ppo)."""
+    """Side-by-side per-family pass rates with their 95 % intervals, one column per named table (e.g. sft, ppo)."""
     names = list(tables)
     families = sorted({f for t in tables.values() for f in t["per_family"]})
-    width = max([len(f) for f in families] + [len("overall"), 8])
-    head = f"{title:<{width}}  " + "  ".join(f"{n:>8}" for n in names)
+    width = max([len(f) for f in families] + [len(OVERALL), 8])
+    head = f"{title:<{width}}  " + "  ".join(f"{n:>{CELL}}" for n in names)
     lines = [head, "-" * len(head)]
     for family in families:
-        cells = "  ".join(f"{tables[n]['per_family'].get(family, float('nan')):>8.0%}" for n in names)
+        cells = "  ".join(f"{_cell(tables[n], family, 0):>{CELL}}" for n in names)
         count = next(t["counts"][family] for t in tables.values() if family in t["counts"])
         lines.append(f"{family:<{width}}  {cells}   (n={count})")
     lines.append("-" * len(head))
-    lines.append(f"{'overall':<{width}}  " + "  ".join(f"{tables[n]['overall']:>8.1%}" for n in names))
+    total = next((sum(t["counts"].values()) for t in tables.values() if t.get("counts")), 0)
+    lines.append(f"{OVERALL:<{width}}  " + "  ".join(f"{_cell(tables[n], OVERALL, 1):>{CELL}}" for n in names)
+                 + f"   (n={total})")
+    lines.append("[low–high]: 95 % interval of each rate (Wilson)")
     return "\n".join(lines)
+
+
+def paired_versus(answers: dict[str, list[dict]], base: str) -> dict[str, dict]:
+    """Each model's test answers against `base`'s on the same prompts, in the same order: fixed / broken prompts,
+    McNemar's p and the 95 % interval of the difference in pass rate (rlhflab.intervals.paired_counts)."""
+    before = [bool(r["passed"]) for r in answers[base]]
+    return {name: paired_counts(before, [bool(r["passed"]) for r in rows]) for name, rows in answers.items()
+            if name != base}
+
+
+def describe_versus(versus: dict[str, dict], base: str, n_prompts: int) -> list[str]:
+    """'ppo vs sft: +37.0 pts [+31.2, +42.5], better (paired over 300 test prompts: 120 fixed, 9 broken)'."""
+    lines = []
+    for name, counts in versus.items():
+        diff = difference_from_dict(counts)
+        if diff is not None:
+            lines.append(f"{name} vs {base}: {points(diff)}, {verdict(diff)} (paired over {n_prompts} test prompts: "
+                         f"{counts['fixed']} fixed, {counts['broken']} broken)")
+    return lines
 
 
 def evaluate(cfg: EvalConfig, run: RunDir | None = None) -> RunResult:

@@ -13,12 +13,12 @@ from pathlib import Path
 from typing import Any
 
 from rlhflab.report.details import total_seconds
-from rlhflab.report.html import Markup, join, note, page, pct, section, table
+from rlhflab.report.html import Markup, join, note, page, section, table
 from rlhflab.report.plots import Line, grid, panel
 from rlhflab.report.runfolder import RunFolder, as_number, load_run
 from rlhflab.report.series import collect_alarms, has_key, last_value, series
 from rlhflab.report.single import write_atomic
-from rlhflab.report.verdict import held_out_checks
+from rlhflab.report.verdict import held_out_checks, rate_text
 
 COMPARE_PANELS: tuple[tuple[str, str], ...] = (
     ("reward (objective/scores)", "objective/scores"),
@@ -62,8 +62,9 @@ def final_held_out(run: RunFolder) -> str:
         return "—"
     if len(checks) > 1:  # the demo: one check per model against the SFT model
         first = checks[0]
-        return " · ".join([f"{first.before_label} {pct(first.before)}"] + [f"{c.after_label} {pct(c.after)}" for c in checks])
-    return f"{pct(checks[0].after)} ({checks[0].what})"
+        return " · ".join([f"{first.before_label} {rate_text(first.before, first.before_interval)}"] +
+                          [f"{c.after_label} {rate_text(c.after, c.after_interval)}" for c in checks])
+    return f"{rate_text(checks[0].after, checks[0].after_interval)} ({checks[0].what})"
 
 
 def final_kl(run: RunFolder) -> str:

@@ -7,17 +7,18 @@ methods with different batch sizes line up); what failed; and how the methods' c
 differ. It reads the comparison folder only (summary.json, samples.jsonl, DIR/<method>/).
 
 Noise: every model answers the same test prompts, so two models are compared prompt by
-prompt. The exact McNemar test counts the prompts one model passes and the other fails
-("fixed" / "broken") and asks how likely so lopsided a split is if neither is better;
-p < 0.05 is called a real difference, anything else is within noise.
+prompt. The prompts one model passes and the other fails ("fixed" / "broken") give the 95 %
+interval of the difference in pass rate (rlhflab.intervals, exact McNemar); a difference is
+called real only when that interval excludes 0, anything else is within noise, with its
+interval.
 """
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any
 
+from rlhflab.intervals import Interval, difference_from_dict, paired_counts, points, verdict
 from rlhflab.report import details
 from rlhflab.report.compare import config_section
 from rlhflab.report.html import Markup, details as collapsible, join, note, page, pct, section, table, tag
@@ -25,9 +26,9 @@ from rlhflab.report.plots import Line, grid, panel
 from rlhflab.report.runfolder import RunFolder, as_number, load_run
 from rlhflab.report.series import Series
 from rlhflab.report.single import write_atomic
-from rlhflab.report.verdict import OVERALL, family_columns
+from rlhflab.report.verdict import (OVERALL, answers_by_model, family_columns, family_intervals, paired_differences,
+                                    rate_text, table_interval)
 
-SIGNIFICANT = 0.05  # McNemar p below this: a real difference; otherwise within noise
 # (title, candidate metric names: the first one a method logs is its line); x = episodes
 CURVES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("validation pass rate", ("val/pass_rate",)),
@@ -39,24 +40,6 @@ CURVES: tuple[tuple[str, tuple[str, ...]], ...] = (
 
 
 # --- paired statistics over the test prompts --------------------------------------------------------
-
-
-def mcnemar_p(fixed: int, broken: int) -> float:
-    """Exact two-sided McNemar p-value: P(a split at least this lopsided) under Binomial(fixed + broken, 1/2)."""
-    n, k = fixed + broken, min(fixed, broken)
-    if n == 0:
-        return 1.0
-    tail = sum(math.comb(n, i) for i in range(k + 1)) / 2**n
-    return min(1.0, 2 * tail)
-
-
-def paired_counts(before: list[bool], after: list[bool]) -> dict[str, Any]:
-    """Prompts `after` passes and `before` fails (fixed), the reverse (broken), and McNemar's p."""
-    if len(before) != len(after):
-        raise ValueError(f"paired lists differ in length: {len(before)} vs {len(after)}")
-    fixed = sum(1 for b, a in zip(before, after) if a and not b)
-    broken = sum(1 for b, a in zip(before, after) if b and not a)
-    return {"fixed": fixed, "broken": broken, "p_value": mcnemar_p(fixed, broken)}
 
 
 def passed_by_model(samples: list[dict] | None) -> dict[str, list[bool]]:
@@ -72,17 +55,25 @@ def passed_by_model(samples: list[dict] | None) -> dict[str, list[bool]]:
 
 
 def _noise(counts: dict[str, Any]) -> str:
-    p = counts["p_value"]
-    said = "beyond noise" if p < SIGNIFICANT else "within noise"
-    return f"{said} (paired over the test prompts: {counts['fixed']} better, {counts['broken']} worse, McNemar p = {p:.2g})"
+    """'beyond noise: +6.7 pts [+1.3, +11.3] (paired over the test prompts: 40 better, 20 worse, McNemar p = 0.013)'."""
+    diff = difference_from_dict(counts) or Interval(float("nan"), -1.0, 1.0, 0)
+    said = "within noise" if verdict(diff) == "within noise" else "beyond noise"
+    return (f"{said}: {points(diff)} (paired over the test prompts: {counts['fixed']} better, {counts['broken']} "
+            f"worse, McNemar p = {counts['p_value']:.2g})")
 
 
-def _gain_words(name: str, m: dict[str, Any]) -> str:
+def _test_rate(summary: dict[str, Any], name: str) -> str:
+    """A model's test pass rate with its 95 % interval (summary.json's test_tables)."""
+    table = (summary.get("test_tables") or {}).get(name) or {}
+    return rate_text(as_number((summary.get("test_pass_rate") or {}).get(name)), table_interval(table, OVERALL))
+
+
+def _gain_words(name: str, m: dict[str, Any], summary: dict[str, Any]) -> str:
     kl, wall, eps = (as_number(m.get(k)) for k in ("kl_to_reference", "wall_s", "episodes_per_s"))
     cost = ", ".join(x for x in (f"KL to the start {kl:.2f} nats" if kl is not None else "",
                                  f"{wall:.0f} s" if wall is not None else "",
                                  f"{eps:.0f} episodes/s" if eps is not None else "") if x)
-    return f"{name}: {pct(m['test_pass_rate'])} ({100 * m['gain']:+.1f} pts; {cost})"
+    return f"{name}: {_test_rate(summary, name)} ({100 * m['gain']:+.1f} pts; {cost})"
 
 
 def verdict_lines(summary: dict[str, Any], passed: dict[str, list[bool]]) -> list[str]:
@@ -103,21 +94,21 @@ def verdict_lines(summary: dict[str, Any], passed: dict[str, list[bool]]) -> lis
         vs_start = _noise(paired_counts(passed["start"], passed[best]))
         if methods[best]["gain"] > 0:
             lines.append(f"Most gain on the {len(passed['start'])} held-out test prompts: "
-                         f"{_gain_words(best, methods[best])}, from {pct(start)} at the start; the gain is {vs_start}.")
+                         f"{_gain_words(best, methods[best], summary)}, from {_test_rate(summary, 'start')} at the start; the gain is {vs_start}.")
         else:
             lines.append(f"No method raised the test pass rate above the start's {pct(start)} on the "
-                         f"{len(passed['start'])} held-out test prompts; the best was {_gain_words(best, methods[best])}, "
+                         f"{len(passed['start'])} held-out test prompts; the best was {_gain_words(best, methods[best], summary)}, "
                          f"{vs_start}.")
         if len(ranked) > 1:
             second = ranked[1]
             versus = _noise(paired_counts(passed[second], passed[best]))
             if methods[second]["test_pass_rate"] == methods[best]["test_pass_rate"]:
-                lines.append(f"{best} ties with {_gain_words(second, methods[second])} (listed first for its lower KL); "
+                lines.append(f"{best} ties with {_gain_words(second, methods[second], summary)} (listed first for its lower KL); "
                              f"prompt by prompt they differ {versus}.")
             else:
-                lines.append(f"Runner-up {_gain_words(second, methods[second])}; {best}'s lead over it is {versus}.")
+                lines.append(f"Runner-up {_gain_words(second, methods[second], summary)}; {best}'s lead over it is {versus}.")
         for name in ranked[2:]:
-            lines.append(f"Then {_gain_words(name, methods[name])}; vs the start "
+            lines.append(f"Then {_gain_words(name, methods[name], summary)}; vs the start "
                          f"{_noise(paired_counts(passed['start'], passed[name]))}.")
     for name in summary.get("failed") or []:
         lines.append(f"{name} failed: {(summary['methods'].get(name) or {}).get('error', 'no error recorded')}")
@@ -127,13 +118,17 @@ def verdict_lines(summary: dict[str, Any], passed: dict[str, list[bool]]) -> lis
 # --- the page ------------------------------------------------------------------------------------------
 
 
-def _cell_pct(value: Any) -> str:
-    return pct(as_number(value))
+def _versus(vs: dict[str, Any]) -> str:
+    """'+6.7 pts [+1.3, +11.3] better (40 / 20, p 0.013)' from summary.json's methods.<name>.vs_start."""
+    if not vs:
+        return "—"
+    diff = difference_from_dict(vs)
+    head = f"{points(diff)} {verdict(diff)} " if diff is not None else ""
+    return f"{head}({vs.get('fixed', '—')} / {vs.get('broken', '—')}, p {vs['p_value']:.2g})"
 
 
 def overview_table(summary: dict[str, Any]) -> Markup:
-    rows = [["start", _cell_pct(summary["test_pass_rate"].get("start")), "—", "—", 0.0, "—", "—", "—", "—", "—",
-             summary.get("model", "")]]
+    rows = [["start", _test_rate(summary, "start"), "—", "—", 0.0, "—", "—", "—", "—", "—", summary.get("model", "")]]
     for name, m in (summary.get("methods") or {}).items():
         if "error" in m:
             rows.append([name, "failed", "—", "—", "—", as_number(m.get("wall_s")) or "—", "—", "—", "—",
@@ -142,33 +137,43 @@ def overview_table(summary: dict[str, Any]) -> Markup:
         vs = m.get("vs_start") or {}
         alarms = ", ".join(f"{a.get('name')}@{a.get('step')}" for a in m.get("alarms") or [] if isinstance(a, dict))
         stopped = m.get("stopped")
-        rows.append([name, _cell_pct(m["test_pass_rate"]), f"{100 * m['gain']:+.1f} pts",
-                     f"{vs.get('fixed', '—')} / {vs.get('broken', '—')} (p {vs['p_value']:.2g})" if vs else "—",
+        rows.append([name, _test_rate(summary, name), f"{100 * m['gain']:+.1f} pts", _versus(vs),
                      as_number(m.get("kl_to_reference")), as_number(m.get("wall_s")), m.get("episodes"),
                      as_number(m.get("episodes_per_s")),
                      f"at {stopped.get('step')}: {stopped.get('reason')}" if isinstance(stopped, dict) else "no",
                      alarms or "none", tag("a", "report", href=f"{name}/report.html")])
-    headers = ["method", "test pass rate", "gain", "better / worse prompts vs start", "KL to start (nats)", "wall s",
+    headers = ["method", "test pass rate [95 % interval]", "gain", "vs start: difference [95 % interval] (better / "
+               "worse prompts, McNemar p)", "KL to start (nats)", "wall s",
                "episodes", "episodes/s", "stopped early", "alarms", "run"]
     return table(headers, rows, row_headers=True, id="methods")
 
 
 def family_side_by_side(run: RunFolder) -> Markup | None:
-    """Pass rate per family: the start, then every method with its change from the start."""
+    """Pass rate per family with its 95 % interval: the start, then every method with its change from the start,
+    marked * where the paired interval of that change excludes 0."""
     columns, counts = family_columns(run)
     if "start" not in columns:
         return None
+    intervals = family_intervals(run)
+    answers = answers_by_model(run, list(columns))
+    changes = {name: paired_differences(answers, "start", name) for name in list(columns)[1:]}
     families = sorted({f for col in columns.values() for f in col} - {OVERALL}) + [OVERALL]
     rows = []
     for family in families:
         start = as_number(columns["start"].get(family))
-        row = [family, counts.get(family, sum(counts.values())) if counts else "—", pct(start)]
+        row = [family, counts.get(family, sum(counts.values())) if counts else "—",
+               rate_text(start, intervals.get("start", {}).get(family))]
         for name in list(columns)[1:]:
             rate = as_number(columns[name].get(family))
-            delta = "" if rate is None or start is None else f" ({100 * (rate - start):+.0f})"
-            row.append(f"{pct(rate)}{delta}")
+            diff = changes[name].get(family)
+            mark = "*" if diff is not None and verdict(diff) != "within noise" else ""
+            delta = "" if rate is None or start is None else f" ({100 * (rate - start):+.0f}{mark})"
+            row.append(f"{rate_text(rate, intervals.get(name, {}).get(family))}{delta}")
         rows.append(row)
-    return table(["family", "n", "start", *list(columns)[1:]], rows, row_headers=True, class_="families", id="families")
+    return join([table(["family", "n", "start", *list(columns)[1:]], rows, row_headers=True, class_="families",
+                       id="families"),
+                 note("[low–high]: 95 % interval of each rate (Wilson). (+x*): a change from the start beyond noise, "
+                      "its paired 95 % interval over the family's prompts excluding 0; without * it is within noise.")])
 
 
 def x_key(run: RunFolder) -> tuple[str, float]:

@@ -1,0 +1,129 @@
+"""rlhflab.intervals against hand-worked values and brute-force references; the one "better / within noise" rule."""
+
+import math
+from pathlib import Path
+
+import pytest
+
+from rlhflab.intervals import (Interval, clopper_pearson, mcnemar_p, paired_counts, paired_difference, percent, points,
+                               rate_interval, unpaired_difference, verdict, wilson)
+
+Z = 1.959963984540054
+
+
+def test_wilson_against_hand_worked_values():
+    seven = wilson(7, 10)  # p = .7: centre (.7 + z²/20) / (1 + z²/10) = .6447, half-width .2477
+    assert (seven.low, seven.high) == pytest.approx((0.39678, 0.89221), abs=1e-5)
+    none = wilson(0, 300)  # 0 of n: [0, z² / (n + z²)]
+    assert none.low == 0.0 and none.high == pytest.approx(Z**2 / (300 + Z**2)) == pytest.approx(0.012643, abs=1e-6)
+    every = wilson(300, 300)
+    assert every.high == 1.0 and every.low == pytest.approx(1 - none.high)
+    half = wilson(150, 300)  # the width the 300-prompt splits buy: about ±5.6 points at 50 % (±9.7 with 100)
+    assert half.high - 0.5 == pytest.approx(0.0562, abs=1e-4) and wilson(50, 100).high - 0.5 == pytest.approx(0.0962, abs=1e-4)
+    assert rate_interval(0.39, 100) == wilson(39, 100)
+    assert math.isnan(wilson(0, 0).estimate) and (wilson(0, 0).low, wilson(0, 0).high) == (0.0, 1.0)
+    with pytest.raises(ValueError):
+        wilson(11, 10)
+
+
+def test_clopper_pearson_closed_forms_and_a_table_value():
+    assert clopper_pearson(7, 10) == pytest.approx((0.34755, 0.93326), abs=1e-5)  # standard tables
+    for m in (1, 5, 30):  # all successes: lower = (α/2)^(1/m); none: upper = 1 - (α/2)^(1/m)
+        assert clopper_pearson(m, m) == pytest.approx((0.025 ** (1 / m), 1.0), abs=1e-9)
+        assert clopper_pearson(0, m) == pytest.approx((0.0, 1 - 0.025 ** (1 / m)), abs=1e-9)
+
+
+def test_mcnemar_against_hand_worked_values():
+    assert mcnemar_p(0, 0) == 1.0
+    assert mcnemar_p(5, 0) == 2 / 32  # all 5 discordant prompts one way: 2 * (1/2)^5
+    assert mcnemar_p(3, 1) == mcnemar_p(1, 3) == 2 * (1 + 4) / 16
+
+
+def _brute_force_paired(fixed: int, broken: int, n: int, step: float = 1e-5) -> tuple[float, float]:
+    """Invert the exact binomial test on a grid: every π whose one-sided tails are both >= 2.5 %, mapped to the
+    difference (m / n)(2π - 1). Independent of the bisection and the log-space pmf."""
+    m = fixed + broken
+    if m == 0:
+        return 0.0, 0.0
+    kept = []
+    for i in range(int(1 / step) + 1):
+        pi = i * step
+        pmf = [math.comb(m, j) * pi**j * (1 - pi) ** (m - j) for j in range(m + 1)]
+        if sum(pmf[fixed:]) >= 0.025 and sum(pmf[: fixed + 1]) >= 0.025:
+            kept.append(pi)
+    return m / n * (2 * kept[0] - 1), m / n * (2 * kept[-1] - 1)
+
+
+@pytest.mark.parametrize("fixed, broken, n", [(7, 2, 12), (0, 3, 12), (5, 5, 20), (9, 0, 10), (1, 0, 4)])
+def test_paired_difference_matches_a_brute_force_inversion(fixed, broken, n):
+    diff = paired_difference(fixed, broken, n)
+    low, high = _brute_force_paired(fixed, broken, n)
+    assert diff.estimate == pytest.approx((fixed - broken) / n)
+    assert (diff.low, diff.high) == pytest.approx((low, high), abs=3e-5)
+
+
+def test_paired_interval_and_exact_mcnemar_never_disagree():
+    for fixed in range(41):
+        for broken in range(41 - fixed):
+            excludes_zero = verdict(paired_difference(fixed, broken, 300)) != "within noise"
+            assert excludes_zero == (mcnemar_p(fixed, broken) < 0.05), (fixed, broken)
+
+
+def test_paired_counts_from_verdicts():
+    before = [True, True, False, False, True, False]
+    after = [True, False, True, True, True, True]  # fixed 3 (prompts 2, 3, 5), broken 1 (prompt 1)
+    counts = paired_counts(before, after)
+    assert (counts["fixed"], counts["broken"], counts["n"]) == (3, 1, 6)
+    assert counts["difference"] == pytest.approx(2 / 6) and counts["p_value"] == mcnemar_p(3, 1)
+    assert (counts["low"], counts["high"]) == pytest.approx(_brute_force_paired(3, 1, 6), abs=3e-5)
+    with pytest.raises(ValueError, match="differ in length"):
+        paired_counts([True], [True, False])
+
+
+def test_newcombe_unpaired_difference_against_the_published_example():
+    # Newcombe (1998), Statistics in Medicine 17:873, Table II: 56/70 - 48/80, method 10: 0.0524 to 0.3339
+    diff = unpaired_difference(wilson(48, 80), wilson(56, 70))
+    assert diff.estimate == pytest.approx(0.2)
+    assert (diff.low, diff.high) == pytest.approx((0.0524, 0.3339), abs=1e-4)
+
+
+def test_the_rule_on_300_prompts_small_gain_is_noise_large_gain_is_better():
+    small = paired_difference(20, 14, 300)  # +2 points: 20 prompts fixed, 14 broken
+    assert verdict(small) == "within noise" and points(small) == "+2.0 pts [-2.1, +5.7]"
+    large = paired_difference(60, 15, 300)  # +15 points
+    assert verdict(large) == "better" and large.low > 0.09
+    assert verdict(paired_difference(15, 60, 300)) == "worse"
+    assert verdict(paired_difference(0, 0, 300)) == "within noise"  # identical answers: nothing to call
+    assert percent(wilson(109, 300)) == "36.3% [31.1–41.9]"
+    assert percent(Interval(float("nan"), 0.0, 1.0, 0)) == "—"
+
+
+def test_eval_tables_carry_intervals_beside_the_old_keys():
+    from rlhflab.eval import format_table, table_from_rows
+
+    rows = [{"family": "lowercase", "passed": i < 7, "kind": "pass" if i < 7 else "wrong_case"} for i in range(10)]
+    rows += [{"family": "yes_no", "passed": False, "kind": "wrong_content"} for _ in range(290)]
+    table = table_from_rows(rows)
+    assert table["overall"] == pytest.approx(7 / 300) and table["per_family"]["lowercase"] == 0.7  # as before
+    assert table["intervals"]["lowercase"] == wilson(7, 10).as_rate()
+    assert table["intervals"]["yes_no"] == {"rate": 0.0, "low": 0.0, "high": pytest.approx(Z**2 / (290 + Z**2)), "n": 290}
+    assert table["intervals"]["overall"]["n"] == 300
+    text = format_table({"sft": table})
+    assert "70% [40–89]   (n=10)" in text and "2.3% [1.1–4.7]   (n=300)" in text
+
+
+def test_sweep_table_judges_every_value_against_the_best_with_the_same_rule():
+    from rlhflab.sweep import SweepPlan, SweepRun, format_sweep_table, table_rows
+
+    def run(label, end):
+        return SweepRun(label, Path(label), {"validation_pass_rate": {"start": 0.3, "end": end}}, 1.0, held_out_n=300)
+
+    runs = [run("0.1", 0.40), run("0.2", 0.62), run("0.3", 0.58)]
+    rows = table_rows("ppo", runs)
+    assert rows[1]["vs_best"]["difference"] == 0 and rows[0]["vs_best"]["verdict"] == "worse"
+    assert rows[2]["vs_best"]["verdict"] == "within noise"  # 4 points on 300 prompts
+    assert rows[0]["held_out_interval"] == rate_interval(0.40, 300).as_rate()
+    text = format_sweep_table(SweepPlan("ppo", "cliprange", ("0.1", "0.2", "0.3"), (), Path(".")), runs)
+    assert "62.0% [56.4–67.3]" in text and "best" in text
+    assert text.splitlines()[-1].startswith("cliprange=0.2 has the best held-out number; better beyond noise than 0.1; "
+                                            "within noise of 0.3")
