@@ -351,7 +351,7 @@ def family_table(run: RunFolder) -> Markup | None:
         n = sum(v for v in counts.values() if isinstance(v, int)) if family == OVERALL else counts.get(family, "—")
         rows.append(row + ([n] if counts else []))
     how = "paired over the same prompts (exact McNemar)" if paired else "unpaired (Newcombe; conservative)"
-    said = note(f"[low–high]: 95 % interval of each rate (Wilson). Change: {names[0]} → {names[-1]} with the 95 % "
-                f"interval of the difference, {how}; better or worse only where it excludes 0.") \
-        if intervals else Markup("")
+    change = f" Change: {names[0]} → {names[-1]} with the 95 % interval of the difference, {how}; better or worse " \
+             f"only where it excludes 0." if len(names) > 1 else ""
+    said = note(f"[low–high]: 95 % interval of each rate (Wilson).{change}") if intervals else Markup("")
     return join([table(headers, rows, row_headers=True, class_="families"), said])
