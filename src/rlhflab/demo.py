@@ -159,7 +159,7 @@ def check_later_stages(cfg: DemoConfig) -> None:
         rm_stage_config(cfg, placeholder, placeholder)
         if cfg.rm_diagnosis_samples < 1:
             raise UserInputError(f"rm_diagnosis_samples must be >= 1, not {cfg.rm_diagnosis_samples}",
-                                 "--rm_diagnosis_samples", "use 8 (800 answers on the default test split)")
+                                 "--rm_diagnosis_samples", "use 8 (2,400 answers on the default test split)")
 
 
 def run_demo(cfg: DemoConfig) -> RunResult:
