@@ -168,10 +168,13 @@ def checkpoint_weights(model: torch.nn.Module):
 
     For a peft model call it inside `models.merged_adapter(model)`: the adapted layers then hold W + scale * B @ A
     and the adapter tensors (`lora_*`) are left out; peft's wrapper names (`base_model.model.`, `.base_layer`,
-    `modules_to_save.default.`) are removed, a module's unused original copy skipped. Tied weights come once."""
+    `modules_to_save.default.`) are removed, a module's unused original copy skipped. Tied weights come once.
+    FSDP2 shards (DTensors) are gathered whole, one tensor at a time: a collective, so every rank iterates
+    in step (they all generate at the same time)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     for name, tensor in base.named_parameters():
         parts = name.split(".")
         if any(p.startswith("lora_") for p in parts) or "original_module" in parts:
             continue
-        yield name.replace(".base_layer", "").replace(".modules_to_save.default", ""), tensor
+        whole = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+        yield name.replace(".base_layer", "").replace(".modules_to_save.default", ""), whole

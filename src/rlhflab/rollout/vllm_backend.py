@@ -118,7 +118,7 @@ class VLLMBackend:
                 raise UserInputError(f"{len(stale)} adapter layers cannot be merged for vLLM (first: {stale[0]})",
                                      "--generation_backend vllm",
                                      "use plain LoRA (rlhflab's --lora_r), or --generation_backend lean")
-            weights = list(checkpoint_weights(model))
+            weights = checkpoint_weights(model)  # consumed inside apply_model: one whole tensor at a time
             self.llm.apply_model(lambda engine_model: engine_model.load_weights(weights))
         self.llm.reset_prefix_cache()  # cached prompt KV was computed with the old weights
 
