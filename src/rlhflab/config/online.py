@@ -12,7 +12,7 @@ from rlhflab.config.fields import (CheckpointFields, GenerationBackendFields, Ge
 
 @dataclass(frozen=True)
 class OnlineFields(MonitorFields, CheckpointFields, RunFields, ModelFields, SuiteFields, PromptFileFields,
-                   RewardFunctionFields, LoraFields, OptimFields, GenerationFields, GenerationBackendFields):
+                   RewardFunctionFields, LoraFields, OptimFields, GenerationBackendFields, GenerationFields):
     """What every online method (PPO, GRPO, RLOO, REINFORCE, online DPO) shares: the roles, the reward,
     the rollout cycle, evaluation during the run (trainers/online/loop.py)."""
 

@@ -36,7 +36,7 @@ class SFTConfig(ParallelFields, CheckpointFields, RunFields, ModelFields, TinyMo
 
 
 @dataclass(frozen=True)
-class EvalConfig(RunFields, ModelFields, SuiteFields, GenerationFields, GenerationBackendFields):
+class EvalConfig(RunFields, ModelFields, SuiteFields, GenerationBackendFields, GenerationFields):
     """`rlhflab eval`: generate answers to a split's prompts and check them."""
 
     split: Literal["train", "validation", "test"] = arg("test", "which split of the built-in suite")
