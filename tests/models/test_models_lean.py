@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from rlhflab.rollout import GenerationSettings, generate
-from rlhflab.models.lean import LeanDecoder, lean_hidden, plan_lean, plan_lean_decode
+from rlhflab.models.lean import lean_hidden, plan_lean, plan_lean_decode
+from rlhflab.models.lean_decoder import LeanDecoder
 
 from tinyhf import EOS, PAD, build
 
@@ -111,3 +112,22 @@ def test_lean_reward_scores_equal_the_model_forward():
         lean = sequence_scores(reward_model, ids, mask, lean=True)
         hf = sequence_scores(reward_model, ids, mask)
     assert torch.allclose(lean, hf, atol=1e-5)
+
+
+def test_decoder_fuses_small_plain_layers_only():
+    """q / k / v (and gate / up) run as one matmul on concatenated weights when each part is a small plain
+    Linear; the fused output equals the parts side by side. LoRA parts and large layers stay separate."""
+    from rlhflab.models import apply_lora
+    from rlhflab.models.lean import _linear
+    from rlhflab.models.lean_decoder import side_by_side
+
+    layer = plan_lean_decode(build("qwen2")).layers[0]  # Qwen2: q / k / v carry biases
+    fused = side_by_side([layer.q, layer.k, layer.v])
+    x = torch.randn(3, fused.weight.shape[1])
+    assert fused.weight is not None and fused.bias is not None
+    assert torch.allclose(fused(x), torch.cat([layer.q(x), layer.k(x), layer.v(x)], dim=-1), atol=1e-6)
+
+    lora = plan_lean_decode(apply_lora(build("llama"), r=4, alpha=8, target_modules=["q_proj"]).eval())
+    assert side_by_side([lora.layers[0].q, lora.layers[0].k]).weight is None
+    big = torch.nn.Linear(1024, 1025)  # 2 x 1M elements: above the cap
+    assert side_by_side([_linear(big), _linear(big)]).weight is None

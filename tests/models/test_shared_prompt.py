@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from rlhflab import data, models, tasks
+from rlhflab.models.lean_decoder import LeanDecoder
 from rlhflab.rollout.generate import GenerationSettings, generate
 from rlhflab.rollout.roles import joined
 
@@ -62,10 +63,10 @@ def test_generation_prefills_each_prompt_once_and_samples_each_answer_on_its_own
     responses = out.response_ids.view(3, 4, -1)
     assert any(len({tuple(r.tolist()) for r in group}) > 1 for group in responses)  # answers differ
     plan = models.plan_lean(model.eval())
-    decoder = models.lean.LeanDecoder(plan, out.query_ids, out.query_mask,
+    decoder = LeanDecoder(plan, out.query_ids, out.query_mask,
                                       data.position_ids_from_mask(out.query_mask), 4)
     first, rows = models.distinct_prompts(out.query_ids, out.query_mask)
-    shared = models.lean.LeanDecoder(plan, out.query_ids[first], out.query_mask[first],
+    shared = LeanDecoder(plan, out.query_ids[first], out.query_mask[first],
                                      data.position_ids_from_mask(out.query_mask[first]), 4)
     shared.select_rows(rows)
     torch.testing.assert_close(shared.logits, decoder.logits, rtol=0, atol=1e-5)

@@ -5,8 +5,8 @@ Why: at the sizes PPO runs on a CPU, a Hugging Face forward is mostly Python and
 overhead (per-module `__call__`, a causal mask rebuilt per call, a cache concatenated per
 decode step), not arithmetic. Measured on the demo model (1 thread, busy machine): a decode
 step 5.5-6.5 ms in HF vs 2.7-4.2 ms here; a forward over 8 x 50 tokens 41 ms vs 26 ms.
-Used for: generation (`LeanDecoder`: prefill into preallocated key / value buffers, then one
-token at a time; rollout/generate.py), reward-model scores (`sequence_scores(lean=True)`),
+Used for: generation (models/lean_decoder.py: prefill into preallocated key / value buffers, then
+one token at a time; rollout/generate.py), reward-model scores (`sequence_scores(lean=True)`),
 PPO's policy / reference forwards (rollout/roles.py) and reward-model training on packed pairs
 (an explicit attention mask: models/packing.py). The rollout's log-probs and the training
 forward's come from this same code, so ratio == 1 and KL == 0 at the start stay exact; against
@@ -49,16 +49,25 @@ def _activation(module: nn.Module) -> Callable[[Tensor], Tensor]:
     return F.silu if type(module).__name__ in ("SiLUActivation", "SiLU") else module
 
 
+def _plain(module: nn.Linear) -> Callable[[Tensor], Tensor]:
+    """F.linear on the layer's own tensors; tagged, so the decoder can fuse plain layers (models/lean_decoder.py)."""
+    def linear(x: Tensor) -> Tensor:
+        return F.linear(x, module.weight, module.bias)
+
+    linear.plain_linear = module
+    return linear
+
+
 def _linear(module: nn.Module) -> Callable[[Tensor], Tensor]:
     """F.linear on a plain Linear's own tensors (no module call); a plain peft LoRA Linear as
     base(x) + scale * B(A(x)), what its forward computes in eval mode; anything else is called as a module."""
     if type(module) is nn.Linear:
-        return lambda x: F.linear(x, module.weight, module.bias)
+        return _plain(module)
     base = getattr(module, "base_layer", None)
     if type(base) is not nn.Linear or not hasattr(module, "lora_A") or getattr(module, "merged", True):
         return module
     if module.disable_adapters:  # adapters off (or merged into temporary weights, models.merged_adapter)
-        return lambda x: F.linear(x, base.weight, base.bias)
+        return _plain(base)
     active = [a for a in module.active_adapters if a in module.lora_A]
     if (getattr(module, "fan_in_fan_out", True) or any(getattr(module, "use_dora", {}).values())
             or any(getattr(module, "lora_bias", {}).values()) or getattr(module, "lora_variant", None)):
@@ -203,7 +212,7 @@ def lean_hidden(plan: LeanPlan, input_ids: Tensor, attention_mask: Tensor | None
     Causal attention over real keys (`causal_allowed`), or the (B, L, L) `allowed` given instead
     (several continuations of one shared prefix in a row: models.pack_shared_prefix).
     `kv_out[i]` = (K, V) buffers (B, H_kv, >= L, D) receive layer i's rotated keys and values
-    (the prefill of `LeanDecoder`).
+    (the prefill of models/lean_decoder.py).
     """
     if attention_mask is None and allowed is None:
         raise ValueError("lean_hidden needs an attention_mask or an explicit allowed mask")
@@ -226,61 +235,3 @@ def lean_hidden(plan: LeanPlan, input_ids: Tensor, attention_mask: Tensor | None
         x = layer.post_norm(h)
         h = h + layer.down(layer.act(layer.gate(x)) * layer.up(x))
     return plan.norm(h)
-
-
-class LeanDecoder:
-    """Prefill, then decode steps, over preallocated (B, H_kv, P + N, D) key / value buffers."""
-
-    def __init__(self, plan: LeanPlan, query_ids: Tensor, query_mask: Tensor, positions: Tensor,
-                 max_new_tokens: int):
-        """Runs the prefill; `self.logits` (B, V) are the logits for the first new token."""
-        self.plan = plan
-        batch, prompt_len = query_ids.shape
-        self.prompt_len = self.length = prompt_len
-        total = prompt_len + max_new_tokens
-        dtype = plan.embed.dtype
-        shape = (batch, plan.num_kv_heads, total, plan.head_dim)
-        self.keys = [plan.embed.new_empty(shape) for _ in plan.layers]
-        self.values = [plan.embed.new_empty(shape) for _ in plan.layers]
-        hidden = lean_hidden(plan, query_ids, query_mask, positions, list(zip(self.keys, self.values)))
-        self.logits = plan.lm_head(hidden[:, -1])
-        # (B, 1, 1, P + N) additive mask: 0 on keys a new token may attend to (real prompt tokens and every
-        # generated one), -inf on left padding
-        self.key_bias = torch.zeros(batch, 1, 1, total, dtype=dtype, device=query_ids.device)
-        self.key_bias[:, 0, 0, :prompt_len].masked_fill_(~query_mask.bool(), float("-inf"))
-        # rotary tables for the positions of the N tokens still to come, (B, 1, N, D), computed once
-        upcoming = positions[:, -1:] + torch.arange(1, max_new_tokens + 1, device=positions.device)
-        self.cos, self.sin = rotary_tables(plan, upcoming)
-        self.groups = plan.num_heads // plan.num_kv_heads
-
-    def select_rows(self, rows: Tensor) -> None:
-        """Decode rows `rows` of the current ones from now on: each distinct prompt prefilled once, then given
-        to each of its answers (models/shared_prompt.py), or the rows still unfinished (rollout/generate.py)."""
-        self.keys = [k[rows] for k in self.keys]
-        self.values = [v[rows] for v in self.values]
-        self.key_bias, self.cos, self.sin, self.logits = (t[rows] for t in (self.key_bias, self.cos, self.sin,
-                                                                            self.logits))
-
-    @torch.no_grad()
-    def step(self, token: Tensor) -> Tensor:
-        """(B,) tokens just sampled -> (B, V) logits for the next one."""
-        plan, t, end = self.plan, self.length - self.prompt_len, self.length + 1
-        batch, heads, kv_heads, dim = token.shape[0], plan.num_heads, plan.num_kv_heads, plan.head_dim
-        cos, sin = self.cos[:, :, t : t + 1], self.sin[:, :, t : t + 1]  # (B, 1, 1, D)
-        bias = self.key_bias[..., :end]  # (B, 1, 1, L)
-        h = F.embedding(token.unsqueeze(1), plan.embed)  # (B, 1, H)
-        for i, layer in enumerate(plan.layers):
-            x = layer.input_norm(h)
-            q = layer.q(x).view(batch, heads, 1, dim)  # one token: (B, 1, heads*D) is already (B, heads, 1, D)
-            k = layer.k(x).view(batch, kv_heads, 1, dim)
-            self.keys[i][:, :, self.length : end] = _rope(k, cos, sin)
-            self.values[i][:, :, self.length : end] = layer.v(x).view(batch, kv_heads, 1, dim)
-            q = _rope(q, cos, sin).view(batch, kv_heads, self.groups, dim)
-            # query head j*G+g reads key / value head j (HF's repeat_kv): (B, H_kv, G, L) scores
-            scores = torch.matmul(q, self.keys[i][:, :, :end].transpose(-1, -2)).mul_(layer.scaling).add_(bias)
-            attn = torch.matmul(torch.softmax(scores, dim=-1), self.values[i][:, :, :end])  # (B, H_kv, G, D)
-            h = h + layer.o(attn.view(batch, 1, heads * dim))
-            x = layer.post_norm(h)
-            h = h + layer.down(layer.act(layer.gate(x)) * layer.up(x))
-        self.length = end
-        return plan.lm_head(plan.norm(h))[:, -1]

@@ -15,7 +15,8 @@ import torch
 from torch import Tensor
 
 from rlhflab.data import left_pad, position_ids_from_mask
-from rlhflab.models.lean import LeanDecoder, plan_lean_decode
+from rlhflab.models.lean import plan_lean_decode
+from rlhflab.models.lean_decoder import LeanDecoder
 from rlhflab.models.shared_prompt import distinct_prompts
 
 
