@@ -119,7 +119,7 @@ def rlhflab_config(method: str, s: dict, spec: dict):
                   response_length=s["response_length"], temperature=s["temperature"],
                   total_episodes=s["rollouts"] * s["batch_size"], beta=s["beta"], num_iterations=s["num_iterations"],
                   epsilon=s["epsilon"], epsilon_high=s["epsilon_high"], eval_prompts=8, sample_prompts=0,
-                  console_samples=0, keep_best=False)
+                  console_samples=0, keep_best=False, headroom_samples=0)
     if method == "grpo":
         return config.GRPOConfig(**online, loss_type=s["loss_type"], scale_rewards=s["scale_rewards"],
                                  importance_sampling_level=s["importance_sampling_level"])
