@@ -125,7 +125,7 @@ def naive_logps(model, pairs):
         for seq, start in ((pair.chosen, pair.chosen_start), (pair.rejected, pair.rejected_start)):
             logits = model(input_ids=torch.tensor([seq])).logits[0].float()  # (L, V)
             logp = torch.log_softmax(logits[:-1], -1).gather(-1, torch.tensor(seq[1:])[:, None])[:, 0]
-            out.append(logp[start - 1 :].sum())
+            out.append(logp[max(start - 1, 0) :].sum())  # start 0: prompt cut away whole, token 0 has no logit
     return torch.stack(out).view(-1, 2)  # (B, 2): chosen, rejected
 
 
