@@ -19,6 +19,7 @@ import os
 # threads on a 2-vCPU machine ran 5-6x slower (../shared/FACTS.md).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+import contextlib  # noqa: E402
 import difflib  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
@@ -58,6 +59,8 @@ def print_report(run_dir: Path) -> None:
     failure here is logged with the command to retry rather than turning a finished run into an error."""
     from rlhflab.report import write_report
 
+    if launched_rank()[0] > 0:  # several processes: rank 0 writes the run folder, its report too
+        return
     try:
         print(f"report: {write_report(run_dir)}")
     except Exception as err:  # noqa: BLE001
@@ -304,13 +307,34 @@ def quiet_library_progress_bars() -> None:
     hf_logging.disable_progress_bar()
 
 
+def launched_rank() -> tuple[int, int]:
+    """(rank, world size) under torchrun / accelerate launch, (0, 1) without: read without torch (`--help`)."""
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def leave_process_group() -> None:
+    """After a finished command: leave the process group a trainer joined (rlhflab.parallel), if any."""
+    if "rlhflab.parallel" in sys.modules:
+        sys.modules["rlhflab.parallel"].shutdown_world()
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0
-    logging.basicConfig(level=logging.INFO, format="rlhflab: %(message)s")
+    rank, world_size = launched_rank()
+    name = f"rlhflab[rank {rank}]" if world_size > 1 else "rlhflab"  # whose message it is, under torchrun
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format=f"{name}: %(message)s")
     quiet_library_progress_bars()
+    with open(os.devnull, "w") as devnull, contextlib.redirect_stdout(devnull if rank > 0 else sys.stdout):
+        code = run_command(argv, name)  # ranks > 0 print nothing: rank 0 reports the run
+    leave_process_group()  # not after an uncaught exception: a peer may be gone, and torchrun ends us anyway
+    return code
+
+
+def run_command(argv: list[str], name: str) -> int:
+    """The stage's command; a user mistake, a non-finite stop or a signal becomes a message and an exit code."""
     try:
         stage, rest = split_stage(argv)
         if stage == "sweep":  # not one config: a stage's config plus --stage / --vary
@@ -322,13 +346,13 @@ def main(argv: list[str] | None = None) -> int:
         cfg = parse_config(STAGES[stage], rest, prog=f"rlhflab {stage}")
         return COMMANDS[stage](cfg)
     except UserInputError as err:
-        print(f"rlhflab: error: {err}", file=sys.stderr)
+        print(f"{name}: error: {err}", file=sys.stderr)
         return 2
     except FloatingPointError as err:  # a non-finite loss, gradient or reward stopped the run
-        print(f"rlhflab: stopped: {err}", file=sys.stderr)
+        print(f"{name}: stopped: {err}", file=sys.stderr)
         return 3
     except Interrupted as err:  # SIGINT / SIGTERM: the step finished and a checkpoint was written
-        print(f"rlhflab: interrupted: {err}", file=sys.stderr)
+        print(f"{name}: interrupted: {err}", file=sys.stderr)
         return err.exit_code
 
 

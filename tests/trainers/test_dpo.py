@@ -12,7 +12,7 @@ import torch
 from tinyhf import save_suite_model
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from rlhflab import data, models, tasks
+from rlhflab import data, models, parallel, tasks
 from rlhflab.config import DPOConfig
 from rlhflab.trainers import dpo
 from rlhflab.trainers.dpo_data import PreferencePair, load_dpo_data, tokenize_preferences
@@ -203,7 +203,8 @@ def test_gradient_accumulation_and_length_chunks_give_the_gradient_of_one_big_ba
                 p.add_(0.01 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
         optimizer = torch.optim.SGD(policy.parameters(), lr=0.0)
         ids = list(range(8))
-        dpo.train_step(policy, optimizer, None, [pairs.train[i] for i in ids], select(reference, ids), cfg, True,
+        dpo.train_step(parallel.wrap_model(policy, parallel.SINGLE), optimizer, None, [pairs.train[i] for i in ids],
+                       select(reference, ids), parallel.share_of(len(ids), parallel.SINGLE), cfg, True,
                        tokenizer.pad_token_id)
     (one, loss_one), *others = captured
     assert any(g.abs().sum() > 0 for g in one)

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from rlhflab import data, models, tasks
+from rlhflab import data, models, parallel, tasks
 from rlhflab.config import SFTConfig
 from rlhflab.rollout import GenerationSettings, generate_answers
 from rlhflab.trainers import sft
@@ -65,7 +65,8 @@ def test_gradient_accumulation_gives_the_same_update_as_one_batch():
         optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
         cfg = SFTConfig(gradient_accumulation_steps=accumulation, max_grad_norm=0.0, warmup_steps=0,
                         lr_schedule="constant")
-        sft.train_step(model, optimizer, make_scheduler(optimizer, cfg, 10), examples, tokenizer.pad_token_id, cfg)
+        sft.train_step(parallel.wrap_model(model, parallel.SINGLE), optimizer, make_scheduler(optimizer, cfg, 10),
+                       examples, tokenizer.pad_token_id, cfg)
         updates.append([p.detach() - b for p, b in zip(model.parameters(), before)])
     for one, four in zip(*updates):
         assert torch.allclose(one, four, atol=1e-6, rtol=1e-4)

@@ -4,7 +4,10 @@
         model.safetensors   trainable weights (policy / LoRA adapters / value head / RM ...)
         state.safetensors   every other tensor: optimiser moments, RNG states, best policy ...
         state.json          everything else, as JSON (see `rlhflab.checkpoint.state`)
-        COMPLETE            written last: {"step": N, "files": {name: {"bytes", "sha256"}}}
+        sharded/            several processes with sharded weights (FSDP2) only: every rank's shards of the
+                            trainable weights and their optimiser state (torch.distributed.checkpoint's
+                            format, `rlhflab.parallel.state`); model.safetensors is then empty
+        COMPLETE            written last: {"step": N, "files": {name: {"bytes", "sha256"}}}, every file above
 
 A folder is written as `.tmp-step-N`, each file fsynced, renamed to `step-N`, and only
 then gets its `COMPLETE` marker. A crash at any moment leaves either a `.tmp-*` folder
@@ -33,7 +36,7 @@ log = logging.getLogger("rlhflab")
 
 MARKER = "COMPLETE"
 STEP_DIR = re.compile(r"^step-(\d+)$")
-FILES = ("model.safetensors", "state.safetensors", "state.json")
+SHARDED = "sharded"  # the folder every rank writes its shards into (torch.distributed.checkpoint)
 
 
 def _fsync_file(path: Path) -> None:
@@ -118,24 +121,44 @@ def prune(root: Path, keep_last_n: int) -> list[Path]:
 def save_checkpoint(root: Path, step: int, weights: dict[str, torch.Tensor], state: dict,
                     keep_last_n: int = 2) -> Path:
     """Write `root/step-<step>` atomically (see module doc); then clean up and prune older ones."""
+    return finish_checkpoint(root, step, begin_checkpoint(root, step), weights, state, keep_last_n)
+
+
+def begin_checkpoint(root: Path, step: int) -> Path:
+    """A fresh, empty `.tmp-step-<step>` folder: other processes may write their shards into it before
+    `finish_checkpoint` (one process) adds the files, renames it and writes the marker."""
     root.mkdir(parents=True, exist_ok=True)
-    target, tmp = root / f"step-{step}", root / f".tmp-step-{step}"
+    tmp = root / f".tmp-step-{step}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
+    return tmp
+
+
+def _files_under(folder: Path) -> list[str]:
+    """Every file under `folder` (sub-folders too), as sorted relative paths."""
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
+
+
+def finish_checkpoint(root: Path, step: int, tmp: Path, weights: dict[str, torch.Tensor], state: dict,
+                      keep_last_n: int = 2) -> Path:
+    """Add the weights and state to `tmp`, make every file durable, rename it to `step-<step>`, marker last."""
+    target = root / f"step-{step}"
     tensors: dict[str, torch.Tensor] = {}
     encoded = encode(state, tensors)
     save_file({k: v.detach().cpu().contiguous() for k, v in weights.items()}, str(tmp / "model.safetensors"))
     save_file(tensors, str(tmp / "state.safetensors"))
     (tmp / "state.json").write_text(json.dumps(encoded))
-    for name in FILES:
+    files = _files_under(tmp)
+    for name in files:
         _fsync_file(tmp / name)
-    _fsync_dir(tmp)
+    for folder in {(tmp / name).parent for name in files}:
+        _fsync_dir(folder)
     if target.exists():  # an older write of the same step: an abandoned future, or one that never completed
         remove_checkpoint(target)
     os.replace(tmp, target)
     _fsync_dir(root)
     marker = {"step": step, "files": {n: {"bytes": (target / n).stat().st_size, "sha256": _sha256(target / n)}
-                                      for n in FILES}}
+                                      for n in files}}
     (target / f"{MARKER}.tmp").write_text(json.dumps(marker, indent=1))
     _fsync_file(target / f"{MARKER}.tmp")
     os.replace(target / f"{MARKER}.tmp", target / MARKER)

@@ -23,8 +23,10 @@ from typing import Callable
 import torch
 import yaml
 
-from rlhflab.checkpoint.folder import complete_checkpoints, latest_checkpoint, load_checkpoint, remove_checkpoint
-from rlhflab.checkpoint.folder import save_checkpoint, step_of
+from rlhflab import parallel
+from rlhflab.checkpoint.folder import SHARDED, begin_checkpoint, complete_checkpoints, finish_checkpoint
+from rlhflab.checkpoint.folder import latest_checkpoint, load_checkpoint, remove_checkpoint, step_of
+from rlhflab.checkpoint.ranks import FollowerRun, check_layout
 from rlhflab.checkpoint.signals import Interrupted, StopSignals
 from rlhflab.checkpoint.state import all_finite
 from rlhflab.config import config_to_dict, write_config
@@ -122,11 +124,37 @@ def restore_histories(run_path: Path, position: dict[str, dict]) -> None:
             os.truncate(run_path / name, at["bytes"])
 
 
-def open_run(cfg, stage: str) -> tuple[RunDir, Resumed | None]:
+SINGLE_LAYOUT = parallel.Layout("none", parallel.SINGLE)
+
+
+def open_run(cfg, stage: str, layout: parallel.Layout = SINGLE_LAYOUT) -> tuple[RunDir, Resumed | None]:
     """The run folder, fresh (config.yaml and versions.json written) or resumed from `cfg.resume`.
 
-    A resumed run's folder is only checked here; `Resumed.commit()` changes it (module doc).
+    A resumed run's folder is only checked here; `Resumed.commit()` changes it (module doc). Several
+    processes: rank 0 opens it (its error, if any, is raised on every rank); the others get a
+    `FollowerRun` of the same path and read the same checkpoint, with a commit that does nothing.
     """
+    world = layout.world
+    if not world.distributed:
+        return _open_here(cfg, stage, layout)
+    opened: list = []
+
+    def open_on_main() -> tuple[str, str | None]:
+        opened.extend(_open_here(cfg, stage, layout))
+        run, resumed = opened
+        return str(run.path), str(resumed.checkpoint) if resumed is not None else None
+
+    path, checkpoint = world.from_main(open_on_main)
+    if world.is_main:
+        return opened[0], opened[1]
+    if checkpoint is None:
+        return FollowerRun(path), None
+    step, weights, state = load_checkpoint(Path(checkpoint))
+    return FollowerRun(path), Resumed(Path(checkpoint), step, weights, state, {})
+
+
+def _open_here(cfg, stage: str, layout: parallel.Layout) -> tuple[RunDir, Resumed | None]:
+    """`open_run` in the process that writes the run folder."""
     if not cfg.resume:
         run = RunDir(cfg.output_dir or default_run_path(stage), overwrite=cfg.overwrite, report_to=cfg.report_to)
         # a replaced run's leftovers: never resume into its checkpoints, never merge into its summary / report
@@ -143,6 +171,7 @@ def open_run(cfg, stage: str) -> tuple[RunDir, Resumed | None]:
         raise UserInputError(f"the config differs from the run's config.yaml ({listed})", f"--resume {cfg.resume}",
                              "resume with the run's own settings, or pass --allow_config_change to proceed")
     step, weights, state = load_checkpoint(checkpoint)
+    check_layout(state.get("parallel"), layout, f"--resume {cfg.resume}")
     check_histories(run_path, state["histories"])
     run = RunDir(run_path, resume=True, report_to=cfg.report_to)
 
@@ -164,23 +193,31 @@ def open_run(cfg, stage: str) -> tuple[RunDir, Resumed | None]:
 
 
 Contents = Callable[[], tuple[dict[str, torch.Tensor], dict]]
+ShardWriter = Callable[[Path], None]  # every rank writes its shards into the folder it is given
 
 
 class Checkpointer:
     """The loop's side of checkpoints: every `save_every` steps, at the end, and when a stop signal came.
 
     Use as a context manager around the loop (it installs the SIGINT / SIGTERM handlers).
-    `contents()` packs (weights, state) only when a checkpoint is actually written.
+    `contents()` packs (weights, state) only when a checkpoint is actually written, on rank 0 only.
+    Several processes: every rank calls `step_done` / `finish` (the ranks agree on a stop signal any of
+    them received); with a sharded layout every rank's `write_shards` fills `step-N/sharded/` first.
     """
 
-    def __init__(self, run_path: Path, save_every: int, keep_last_n: int, saved_step: int | None = None):
+    def __init__(self, run_path: Path, save_every: int, keep_last_n: int, saved_step: int | None = None,
+                 layout: parallel.Layout = SINGLE_LAYOUT, write_shards: ShardWriter | None = None):
         """`saved_step`: the step of the checkpoint a resumed run started from (already on disk)."""
+        if layout.sharded and write_shards is None:
+            raise ValueError("a sharded layout needs write_shards (every rank's part of the state)")
         self.run_path = run_path
         self.root = run_path / "checkpoints"
         self.save_every = save_every
         self.keep_last_n = keep_last_n
         self.signals = StopSignals()
         self.saved_step = saved_step
+        self.layout = layout
+        self.write_shards = write_shards
 
     def __enter__(self) -> Checkpointer:
         self.signals.__enter__()
@@ -191,7 +228,8 @@ class Checkpointer:
 
     def step_done(self, step: int, contents: Contents) -> None:
         """After a finished step: save when due or when a signal asked; then raise `Interrupted` on a signal."""
-        signum = self.signals.requested
+        parallel.fail_if_asked(self.layout.world, step)
+        signum = self.layout.world.max(self.signals.requested or 0) or None  # any rank's signal stops them all
         if signum is not None or (self.save_every > 0 and step % self.save_every == 0):
             self.save(step, contents)
         if signum is not None:
@@ -203,10 +241,23 @@ class Checkpointer:
             self.save(step, contents)
 
     def save(self, step: int, contents: Contents) -> Path:
+        """Rank 0 packs (and checks) the contents and opens `.tmp-step-N`; with a sharded layout every rank
+        writes its shards into it; rank 0 adds the rest and the marker. An error on rank 0 reaches every rank."""
+        world, packed = self.layout.world, []
+
+        def begin() -> str:
+            packed.append(self._pack(step, contents))  # non-finite weights: raised before any folder exists
+            return str(begin_checkpoint(self.root, step))
+
+        tmp = Path(world.from_main(begin))
+        if self.layout.sharded:
+            self.write_shards(tmp / SHARDED)  # every rank, at once (torch.distributed.checkpoint)
+        path = Path(world.from_main(lambda: str(finish_checkpoint(self.root, step, tmp, *packed[0], self.keep_last_n))))
+        self.saved_step = step
+        return path
+
+    def _pack(self, step: int, contents: Contents) -> tuple[dict[str, torch.Tensor], dict]:
         weights, state = contents()
         if not all_finite(weights):  # DESIGN.md: never checkpoint after a non-finite loss or gradient
             raise FloatingPointError(f"step {step}: non-finite weights; no checkpoint written")
-        path = save_checkpoint(self.root, step, weights, {**state, "histories": history_position(self.run_path)},
-                               self.keep_last_n)
-        self.saved_step = step
-        return path
+        return weights, {**state, "histories": history_position(self.run_path), "parallel": self.layout.describe()}

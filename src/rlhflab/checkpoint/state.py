@@ -11,7 +11,7 @@ and floats round-trip bit for bit (JSON writes the shortest repr that reads back
 from __future__ import annotations
 
 import random
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -128,7 +128,8 @@ def all_finite(weights: dict[str, torch.Tensor]) -> bool:
 # --- optimiser and LR schedule -----------------------------------------------------------
 
 
-def load_optimiser(optimizer: torch.optim.Optimizer, scheduler, state: dict, where: str) -> None:
+def load_optimiser(optimizer: torch.optim.Optimizer, scheduler, state: dict, where: str,
+                   load_moments: Callable[[], None] | None = None) -> None:
     """Moments and step counts from a checkpoint; hyperparameters from the config the run resumes with.
 
     `optimizer` and `scheduler` (a LambdaLR, as transformers' schedules are) are freshly built
@@ -137,11 +138,13 @@ def load_optimiser(optimizer: torch.optim.Optimizer, scheduler, state: dict, whe
     silently keep training with the old values. They are put back from the fresh build, and the
     current lr is recomputed as peak · schedule(step) with the fresh schedule (warmup, decay,
     length), exactly as `scheduler.step()` computes it: an unchanged config resumes bit for bit.
+    `load_moments`: how the optimiser's own state comes back when it is not in `state` (FSDP2 shards,
+    read by every rank through torch.distributed.checkpoint); the same hyperparameter rule applies.
     """
     hyper = [{k: v for k, v in g.items() if k not in ("params", "lr")} for g in optimizer.param_groups]
     base_lrs = list(scheduler.base_lrs)
     try:
-        optimizer.load_state_dict(state["optimizer"])
+        load_moments() if load_moments is not None else optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
     except (ValueError, KeyError, RuntimeError, TypeError) as err:
         raise UserInputError(f"the checkpoint's optimiser / LR-schedule state does not fit this run ({err})", where,

@@ -46,11 +46,12 @@ def all_mean(t: Tensor, world: World) -> Tensor:
     return all_sum(t, world) / world.world_size if world.distributed else t
 
 
-def total(value: float | int, world: World) -> float:
-    """A Python number summed over ranks (a count of tokens, of rows)."""
+def total(value: float | int, world: World) -> float | int:
+    """A Python number summed over ranks (a count of tokens, of rows; an int stays an int)."""
     if not world.distributed:
         return value
-    return all_sum(torch.tensor([float(value)], dtype=torch.float64), world).item()
+    summed = all_sum(torch.tensor([float(value)], dtype=torch.float64), world).item()
+    return round(summed) if isinstance(value, int) else summed
 
 
 def masked_mean_std(values: Tensor, mask: Tensor | None, world: World, unbiased: bool = True) -> tuple[Tensor, Tensor]:

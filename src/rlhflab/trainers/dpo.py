@@ -14,6 +14,10 @@ Steps (numbered as in README "DPO, IPO and SimPO"):
      pass rate of greedy answers every `eval_every` steps, at the start and at the end
   5. checkpoints every `save_every` steps, at the end and on SIGINT / SIGTERM; `--resume` continues bit for bit
   6. the policy as an ordinary HF folder (LoRA merged; the adapter beside it)
+
+Several processes (README "Multi-process training"): `batch_size` pairs is the global batch; each rank
+trains on its block, losses are weighted by global counts, reference log-probs are computed once in
+shares and gathered; rank 0 alone evaluates (on the whole model) and writes.
 """
 
 from __future__ import annotations
@@ -29,8 +33,8 @@ from typing import Callable
 import torch
 from tqdm.auto import tqdm
 
-from rlhflab import models
-from rlhflab.checkpoint import Checkpointer, open_run
+from rlhflab import models, parallel
+from rlhflab.checkpoint import open_run
 from rlhflab.config import DPOConfig
 from rlhflab.core import dpo_loss, ipo_loss, simpo_loss
 from rlhflab.errors import UserInputError
@@ -41,7 +45,7 @@ from rlhflab.trainers.dpo_logps import SequenceLogps, can_pack, chunked_logps, p
 from rlhflab.trainers.nonfinite import clip_and_step, guarded_step
 from rlhflab.trainers.setup import configure_threads, make_optimizer, make_scheduler, resolve_device, seed_everything
 from rlhflab.trainers.sft import batch_stream
-from rlhflab.trainers.single_state import pack_single, unpack_single
+from rlhflab.trainers.single_state import checkpointer, pack_single, unpack_single
 from rlhflab.trainers.validation import validate_pass_rate
 
 log = logging.getLogger("rlhflab")
@@ -92,7 +96,7 @@ def preference_loss(cfg: DPOConfig, policy: SequenceLogps, reference: SequenceLo
 # --- setup ---------------------------------------------------------------------------------------
 
 
-def check_dpo_config(cfg: DPOConfig) -> None:
+def check_dpo_config(cfg: DPOConfig, world: parallel.World = parallel.SINGLE) -> None:
     """Refuse settings that cannot work, before anything is loaded."""
     if not cfg.model:
         raise UserInputError("no policy given", "--model", "pass the SFT model folder, e.g. runs/demo-.../sft/model")
@@ -104,9 +108,10 @@ def check_dpo_config(cfg: DPOConfig) -> None:
     if cfg.max_steps <= 0 and cfg.num_epochs <= 0 and cfg.max_pairs <= 0:
         raise UserInputError("no length given: max_steps, num_epochs and max_pairs are all 0", "--num_epochs",
                              "set --num_epochs 1 (or --max_steps / --max_pairs)")
-    if cfg.gradient_accumulation_steps > cfg.batch_size:
-        raise UserInputError(f"gradient_accumulation_steps {cfg.gradient_accumulation_steps} > batch_size "
-                             f"{cfg.batch_size}: empty micro-batches", "--gradient_accumulation_steps")
+    local = parallel.local_batch_size(cfg.batch_size, world)  # each process's block of the global batch
+    if cfg.gradient_accumulation_steps > local:
+        raise UserInputError(f"gradient_accumulation_steps {cfg.gradient_accumulation_steps} > {local} pairs per "
+                             f"process (batch_size {cfg.batch_size}): empty micro-batches", "--gradient_accumulation_steps")
     if not 0.0 <= cfg.label_smoothing < 0.5:
         raise UserInputError(f"label_smoothing must be in [0, 0.5), got {cfg.label_smoothing}", "--label_smoothing")
     if cfg.label_smoothing and cfg.loss_type != "sigmoid":
@@ -116,12 +121,12 @@ def check_dpo_config(cfg: DPOConfig) -> None:
         log.warning("loss_type %s needs no reference: --reference %s is not used", cfg.loss_type, cfg.reference)
 
 
-def build_policy(cfg: DPOConfig):
-    """The policy in float32 (whole weights train; models/precision.py) and its tokenizer; LoRA comes later,
-    after the starting weights gave the reference log-probs."""
+def build_policy(cfg: DPOConfig, device: torch.device | None = None):
+    """The policy in float32 (whole weights train; models/precision.py) and its tokenizer, on `device` (default:
+    cfg.device); LoRA comes later, after the starting weights gave the reference log-probs."""
     tokenizer = models.load_tokenizer(cfg.tokenizer or cfg.model, trust_remote_code=cfg.trust_remote_code)
     policy = models.load_causal_lm(cfg.model, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code,
-                                   device=resolve_device(cfg.device))
+                                   device=device or resolve_device(cfg.device))
     if cfg.lora_r <= 0:
         policy = float32_for_training(policy, f"policy {cfg.model}")
     models.disable_dropout(policy)
@@ -136,8 +141,10 @@ def add_lora(cfg: DPOConfig, policy):
     return float32_for_training(policy, f"policy {cfg.model}")  # adapters float32, a half base stays half
 
 
-def reference_logps(cfg: DPOConfig, policy, dpo: DPOData, pad_id: int) -> dict[str, SequenceLogps | None]:
-    """Step 2: summed log-probs of every train and validation pair under the reference, computed once.
+def reference_logps(cfg: DPOConfig, policy, dpo: DPOData, pad_id: int,
+                    world: parallel.World = parallel.SINGLE) -> dict[str, SequenceLogps | None]:
+    """Step 2: summed log-probs of every train and validation pair under the reference, computed once
+    (several processes: each its block of the pairs, then gathered, so every rank holds all of them).
     The starting weights are the policy itself before its first step; another reference is loaded, read
     and freed. SimPO needs none."""
     if not LOSS_TYPES[cfg.loss_type].reference:
@@ -145,10 +152,10 @@ def reference_logps(cfg: DPOConfig, policy, dpo: DPOData, pad_id: int) -> dict[s
     reference = policy
     if cfg.reference:
         reference = models.load_causal_lm(cfg.reference, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code,
-                                          device=resolve_device(cfg.device)).to(policy.dtype)
+                                          device=world.device).to(policy.dtype)
         models.disable_dropout(reference)
     packed = cfg.shared_prefix and can_pack(reference)
-    out = {split: precompute_logps(reference, pairs, pad_id, packed) if pairs else None
+    out = {split: shared_precompute(reference, pairs, pad_id, packed, world) if pairs else None
            for split, pairs in (("train", dpo.train), ("validation", dpo.validation))}
     if reference is not policy:
         del reference
@@ -156,31 +163,61 @@ def reference_logps(cfg: DPOConfig, policy, dpo: DPOData, pad_id: int) -> dict[s
     return out
 
 
+def shared_precompute(model, pairs: list[PreferencePair], pad_id: int, packed: bool,
+                      world: parallel.World) -> SequenceLogps:
+    """`precompute_logps` of all `pairs`, each rank computing its block, gathered in order on every rank."""
+    share = parallel.share_of(len(pairs), world)
+    mine = [pairs[i] for i in share.positions[: share.real]]
+    logps = precompute_logps(model, mine, pad_id, packed) if mine else SequenceLogps(*(torch.zeros(0),) * 4)
+    return SequenceLogps(*(parallel.gather_rows(t, world) for t in logps))
+
+
 # --- one step, one evaluation ------------------------------------------------------------------------
 
 
-def train_step(policy, optimizer, scheduler, pairs: list[PreferencePair], reference: SequenceLogps | None,
-               cfg: DPOConfig, packed: bool, pad_id: int) -> dict:
-    """One optimiser step over `pairs` in gradient_accumulation_steps micro-batches, cut from the pairs sorted
-    by length (less padding): each micro-batch's mean loss is weighted by its share of the pairs, so the
-    gradient is the whole batch's. `reference`: (B,) log-probs of `pairs`, in their order."""
+def train_step(wrapped: parallel.Wrapped, optimizer, scheduler, batch: list[PreferencePair],
+               reference: SequenceLogps | None, share: parallel.Share, cfg: DPOConfig, packed: bool,
+               pad_id: int) -> dict:
+    """One optimiser step on this rank's block of the global `batch` (`share`: its real pairs first, then
+    padding), in gradient_accumulation_steps micro-batches cut from them sorted by length (less padding):
+    each micro-batch's mean loss over its real pairs is weighted by their share of the global batch, so the
+    gradient summed over micro-batches and ranks is the whole batch's. `reference`: (B,) log-probs of
+    `batch`, in its order; the loss and metrics are the whole batch's, from every rank's log-probs."""
+    pairs, ref = parallel.take(batch, share), select(reference, share.positions) if reference is not None else None
     order = sorted(range(len(pairs)), key=lambda i: row_length(pairs[i], packed))
     size = math.ceil(len(pairs) / cfg.gradient_accumulation_steps)
     micro_batches = [order[s : s + size] for s in range(0, len(order), size)]
     chunks = cfg.length_chunks or max(1, size // PAIRS_PER_CHUNK)
     seen: list[SequenceLogps] = []
-    for micro in micro_batches:
-        logps = chunked_logps(policy, [pairs[i] for i in micro], pad_id, packed, chunks)
-        loss, _ = preference_loss(cfg, logps, select(reference, micro) if reference is not None else None)
-        (loss * (len(micro) / len(pairs))).backward()
+    for n, micro in enumerate(micro_batches):
+        real = [j for j, i in enumerate(micro) if i < share.real]  # padding rows run forward, with no weight
+        with wrapped.sync(n == len(micro_batches) - 1):  # gradients cross ranks once, after the last micro-batch
+            logps = wrapped(chunked_logps, [pairs[i] for i in micro], pad_id, packed, chunks)
+            if real:
+                kept = logps if len(real) == len(micro) else SequenceLogps(*(t[real] for t in logps))
+                loss, _ = preference_loss(cfg, kept, select(ref, [micro[j] for j in real]) if ref is not None else None)
+                part = loss * (len(real) / share.total)
+            else:
+                part = logps.chosen.sum() * 0.0
+            wrapped.backward(part)
         seen.append(SequenceLogps(*(t.detach() for t in logps)))
-    # the whole batch's loss and metrics from the micro-batches' log-probs (no second forward)
+    # the whole batch's loss and metrics from every rank's log-probs (no second forward)
     with torch.no_grad():
-        reference = select(reference, order) if reference is not None else None
-        _, stats = preference_loss(cfg, SequenceLogps(*(torch.cat(t) for t in zip(*seen))), reference)
-    grad_norm = clip_and_step(optimizer, scheduler, policy.parameters(), cfg.max_grad_norm, stats["loss"],
+        inverse = torch.argsort(torch.tensor(order))
+        mine = SequenceLogps(*(torch.cat(t)[inverse.to(t[0].device)][: share.real] for t in zip(*seen)))
+        every = SequenceLogps(*(parallel.gather_rows(t, wrapped.world) for t in mine))  # (B,) in batch order
+        _, stats = preference_loss(cfg, every, reference)
+    grad_norm = clip_and_step(optimizer, scheduler, wrapped.model.parameters(), cfg.max_grad_norm, stats["loss"],
                               cfg.nonfinite, "DPO")  # None: a non-finite update was dropped (nonfinite=skip)
     return {**stats, "grad_norm": math.nan if grad_norm is None else grad_norm.item(), "skipped": grad_norm is None}
+
+
+def evaluate_on_main(wrapped: parallel.Wrapped, tokenizer, dpo: DPOData, reference: SequenceLogps | None,
+                     cfg: DPOConfig, step: int, run: RunDir) -> dict:
+    """`evaluate` by rank 0 on the whole model (as one process would), its metrics sent to every rank."""
+    with wrapped.gathered() as whole:
+        return wrapped.world.from_main(
+            lambda: evaluate(whole, tokenizer, dpo, reference, cfg, step, run, cfg.shared_prefix and can_pack(whole)))
 
 
 def evaluate(policy, tokenizer, dpo: DPOData, reference: SequenceLogps | None, cfg: DPOConfig, step: int,
@@ -231,58 +268,60 @@ def save_policy(policy, tokenizer, run_path, lora: bool):
 def train(cfg: DPOConfig, run: RunDir | None = None) -> RunResult:
     """Run DPO / IPO / SimPO as configured; returns the run folder and the HF policy folder it wrote."""
     started = time.time()
-    check_dpo_config(cfg)
-    configure_threads(cfg.threads)
+    world = parallel.init_world(cfg.device)
+    check_dpo_config(cfg, world)
+    configure_threads(world.threads(cfg.threads))
     seed_everything(cfg.seed, cfg.deterministic)
-    # 1. policy and pairs, validated and tokenised before the run folder exists
-    policy, tokenizer = build_policy(cfg)
+    # 1. policy and pairs, validated and tokenised before the run folder exists (every rank builds the same)
+    policy, tokenizer = build_policy(cfg, world.device)
     pad_id = tokenizer.pad_token_id
     dpo = load_dpo_data(cfg, tokenizer)
+    world.check_same(dpo.train, "the tokenised training pairs")
     # 2. reference log-probs, once (then no reference is resident)
-    references = reference_logps(cfg, policy, dpo, pad_id)
+    references = reference_logps(cfg, policy, dpo, pad_id, world)
     if cfg.lora_r > 0:
         policy = add_lora(cfg, policy)
     policy.train()
-    packed = cfg.shared_prefix and can_pack(policy)
-    run, resumed = open_run(cfg, "dpo") if run is None else (run, None)
+    wrapped = parallel.wrap_model(policy, world, cfg.parallel_strategy)
+    packed = cfg.shared_prefix and can_pack(policy) and not parallel.holds_shards(policy)  # packed rows: whole weights
+    run, resumed = open_run(cfg, "dpo", wrapped.layout) if run is None else (run, None)
     total, pair_budget = planned_pairs(cfg, len(dpo.train))
-    optimizer = make_optimizer(policy.parameters(), cfg, fused=True)
+    optimizer = make_optimizer(wrapped.model.parameters(), cfg, fused=True)
     scheduler = make_scheduler(optimizer, cfg, total)
     batches = batch_stream([0] * len(dpo.train), cfg.batch_size, 0, random.Random(cfg.seed))  # lengths unused: no grouping
     log.info("DPO (%s): %d train / %d validation pairs, %d steps x %d pairs%s", cfg.loss_type, len(dpo.train),
              len(dpo.validation), total, cfg.batch_size, ", shared-prefix rows" if packed else "")
     walls = {"setup": time.time() - started, "loop": 0.0, "evaluation": 0.0, "save": 0.0}
     if resumed is None:
-        first = evaluate(policy, tokenizer, dpo, references["validation"], cfg, 0, run, packed)
+        first = evaluate_on_main(wrapped, tokenizer, dpo, references["validation"], cfg, 0, run)
         walls["evaluation"] = time.time() - started - walls["setup"]
         progress = {"step": 0, "pairs_seen": 0, "first": first, "last_eval": first, "last": {}, "skipped": 0,
                     "loop_seconds": 0.0, "budget_stop": None}
     else:  # weights, optimiser, RNGs back; replay the data order of the steps done
-        progress = unpack_single(resumed, policy, optimizer, scheduler)
+        progress = unpack_single(resumed, wrapped, optimizer, scheduler)
         resumed.commit()  # only now cut the histories back, record the resume
         for _ in range(progress["step"]):
             next(batches)
     pairs_before = progress["pairs_seen"]
-    pack = lambda: pack_single(policy, optimizer, scheduler, progress)  # noqa: E731
-    resumed_at = resumed.step if resumed is not None else None  # that checkpoint is on disk already
+    pack = lambda: pack_single(wrapped, optimizer, scheduler, progress)  # noqa: E731
     bar = tqdm(range(progress["step"] + 1, total + 1), desc=f"dpo ({cfg.loss_type})", unit="step",
-               disable=not cfg.progress)
-    with Checkpointer(run.path, cfg.save_every, cfg.keep_last_n, resumed_at) as saver:  # SIGINT / SIGTERM handlers
+               disable=not (cfg.progress and world.is_main))
+    with checkpointer(run, cfg, resumed, wrapped, optimizer) as saver:  # SIGINT / SIGTERM handlers
         for step in bar:
             t0 = time.time()
             # 3. the next pairs (shuffled passes over the train pairs) and one optimiser step on them
             batch_ids = next(batches)[: pair_budget - progress["pairs_seen"]]
             stats, progress["skipped"] = guarded_step(
-                lambda: train_step(policy, optimizer, scheduler, [dpo.train[i] for i in batch_ids],
+                lambda: train_step(wrapped, optimizer, scheduler, [dpo.train[i] for i in batch_ids],
                                    select(references["train"], batch_ids) if references["train"] else None,
-                                   cfg, packed, pad_id),
+                                   parallel.share_of(len(batch_ids), world), cfg, packed, pad_id),
                 f"DPO step {step}", f"train pairs {batch_ids}", progress["skipped"], cfg.nonfinite)
             progress["pairs_seen"] += len(batch_ids)
             progress["step"] = step
             t1 = time.time()
             walls["loop"] += t1 - t0
             # 4. metrics; validation every eval_every steps and at the end (or when the time budget ran out)
-            over_time = cfg.max_seconds > 0 and progress["loop_seconds"] + t1 - t0 >= cfg.max_seconds
+            over_time = world.any(cfg.max_seconds > 0 and progress["loop_seconds"] + t1 - t0 >= cfg.max_seconds)
             last_step = step == total or over_time
             if step % cfg.log_every == 0 or last_step:
                 progress["last"] = {**stats, "lr": scheduler.get_last_lr()[0], "pairs_seen": progress["pairs_seen"],
@@ -290,8 +329,8 @@ def train(cfg: DPOConfig, run: RunDir | None = None) -> RunResult:
                 run.log(progress["last"], step=step)
                 bar.set_postfix(loss=f"{stats['loss']:.3f}", acc=f"{stats['rewards/accuracies']:.2f}")
             if (cfg.eval_every and step % cfg.eval_every == 0) or last_step:
-                progress["last_eval"] = evaluate(policy, tokenizer, dpo, references["validation"], cfg, step, run,
-                                                 packed)
+                progress["last_eval"] = evaluate_on_main(wrapped, tokenizer, dpo, references["validation"], cfg, step,
+                                                         run)
             t2 = time.time()
             walls["evaluation"] += t2 - t1
             progress["loop_seconds"] += t2 - t0
@@ -306,11 +345,12 @@ def train(cfg: DPOConfig, run: RunDir | None = None) -> RunResult:
                 break
         t3 = time.time()
         saver.finish(progress["step"], pack)
-    # 6. the policy as an ordinary HF folder
-    model_dir = save_policy(policy, tokenizer, run.path, cfg.lora_r > 0)
+    # 6. the policy as an ordinary HF folder (rank 0)
+    with wrapped.gathered() as whole:
+        model_dir = world.from_main(lambda: save_policy(whole, tokenizer, run.path, cfg.lora_r > 0))
     walls["save"] += time.time() - t3
     summary = run.update_summary(**summary_fields(cfg, dpo, progress, walls, started, pairs_before),
-                                 model_dir=str(model_dir))
+                                 model_dir=str(model_dir), parallel={**wrapped.layout.describe(), **world.describe()})
     run.close()
     return RunResult(run.path, summary, model_dir)
 

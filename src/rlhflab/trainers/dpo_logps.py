@@ -18,7 +18,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from rlhflab import models
+from rlhflab import models, parallel
 from rlhflab.core.logprobs import selective_log_softmax
 from rlhflab.models.packing import common_prefix_length
 from rlhflab.trainers.dpo_data import PreferencePair
@@ -109,11 +109,12 @@ def can_pack(model: torch.nn.Module) -> bool:
 
 
 def token_logps(model: torch.nn.Module, batch: PairBatch) -> Tensor:
-    """(N,) float32 log-prob of each scored token. Differentiable when grad is on."""
+    """(N,) float32 log-prob of each scored token. Differentiable when grad is on. A model sharded by FSDP2
+    runs its own forward (its layers gather their weights there; the lean forward reads them whole)."""
     device = next(model.parameters()).device
     ids, positions = batch.input_ids.to(device), batch.position_ids.to(device)
     predictors = batch.predictors.to(device)
-    plan = models.plan_lean(model, allow_training=True)
+    plan = None if parallel.holds_shards(model) else models.plan_lean(model, allow_training=True)
     if plan is not None and plan.lm_head is not None:
         allowed = batch.allowed.to(device) if batch.allowed is not None else None
         mask = None if allowed is not None else batch.attention_mask.to(device)

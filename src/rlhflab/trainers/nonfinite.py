@@ -22,6 +22,8 @@ def clip_and_step(optimizer, scheduler, params, max_grad_norm: float, loss: floa
     if problem is None:
         clip = max_grad_norm if max_grad_norm > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(params, clip)
+        if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor; the norm over every rank's shards
+            grad_norm = grad_norm.full_tensor()
         if not torch.isfinite(grad_norm):
             problem = f"non-finite {stage} gradient norm"
     if problem is not None:

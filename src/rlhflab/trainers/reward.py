@@ -8,6 +8,10 @@ One epoch by default: it overfits fast (MISSION.md §2). The score is read at th
 real token (`models.sequence_scores`), whatever the padding side; an encoder backbone
 (BERT, MiniLM) reads it at [CLS], as its own head does, and its text is framed as
 `rewards.encoder_rows` frames it when the reward model scores PPO's answers.
+
+Several processes (README "Multi-process training"): `batch_size` pairs is the global batch; each rank
+scores its block, the loss and metrics are over every rank's pairs (`parallel`), rank 0 alone evaluates
+and writes.
 """
 
 from __future__ import annotations
@@ -22,9 +26,9 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from rlhflab import data, models, tasks
+from rlhflab import data, models, parallel, tasks
 from rlhflab.rewards.model import encoder_rows
-from rlhflab.checkpoint import Checkpointer, open_run
+from rlhflab.checkpoint import open_run
 from rlhflab.config import RMConfig
 from rlhflab.core import bradley_terry_loss, reward_centering_penalty
 from rlhflab.errors import UserInputError
@@ -32,7 +36,7 @@ from rlhflab.models.precision import float32_for_training
 from rlhflab.rollout import GenerationSettings, generate_answers
 from rlhflab.tracking import RunDir, RunResult
 from rlhflab.trainers.nonfinite import clip_and_step, guarded_step
-from rlhflab.trainers.single_state import pack_single, unpack_single
+from rlhflab.trainers.single_state import checkpointer, pack_single, unpack_single
 from rlhflab.trainers.weight_average import WeightAverage, first_averaged_step
 from rlhflab.trainers.setup import (
     configure_threads,
@@ -247,6 +251,10 @@ def use_shared_prefix(cfg: RMConfig, model) -> bool:
     """`cfg.shared_prefix` where the model allows it (`models.can_pack_pairs`); says so when it does not."""
     if not cfg.shared_prefix:
         return False
+    if parallel.holds_shards(model):  # the packed forward reads whole weights
+        log.info("reward model: FSDP2 shards the weights; chosen and rejected are scored as separate sequences "
+                 "(shared_prefix off)")
+        return False
     if models.can_pack_pairs(model):
         return True
     log.info("reward model: %s is not a Llama / Qwen2 layout without dropout; chosen and rejected are scored "
@@ -254,17 +262,29 @@ def use_shared_prefix(cfg: RMConfig, model) -> bool:
     return False
 
 
-def train_step(model, optimizer, scheduler, batch: list[TokenizedPair], pad_id: int, cfg: RMConfig,
-               shared_prefix: bool) -> dict:
-    chosen, rejected = pair_scores(model, batch, pad_id, cfg.length_chunks, shared_prefix)
-    loss, stats = bradley_terry_loss(chosen, rejected, margin=cfg.margin if cfg.margin else None)
-    if cfg.center_rewards_coef > 0:
-        loss = loss + reward_centering_penalty(chosen, rejected, cfg.center_rewards_coef)
-    loss.backward()
-    grad_norm = clip_and_step(optimizer, scheduler, model.parameters(), cfg.max_grad_norm, loss.item(), cfg.nonfinite,
-                              "reward-model")  # None: a non-finite update was dropped (nonfinite=skip)
-    return {"loss/rm": loss.item(), "rm/accuracy": stats["accuracy"].item(), "rm/margin": stats["margin"].item(),
-            "grad_norm": math.nan if grad_norm is None else grad_norm.item(), "skipped": grad_norm is None}
+def train_step(wrapped: parallel.Wrapped, optimizer, scheduler, batch: list[TokenizedPair], share: parallel.Share,
+               pad_id: int, cfg: RMConfig, shared_prefix: bool) -> dict:
+    """One optimiser step on this rank's pairs of the global batch (`share.real` real ones, then padding).
+
+    Each rank's loss is its mean weighted by its share of the global batch, so the parts sum to the
+    global batch's mean loss (a last, partial batch splits unevenly); metrics are summed the same way."""
+    chosen, rejected = wrapped(pair_scores, batch, pad_id, cfg.length_chunks, shared_prefix)
+    chosen, rejected = chosen[: share.real], rejected[: share.real]  # padding rows carry no weight
+    if share.real:
+        loss, stats = bradley_terry_loss(chosen, rejected, margin=cfg.margin if cfg.margin else None)
+        if cfg.center_rewards_coef > 0:
+            loss = loss + reward_centering_penalty(chosen, rejected, cfg.center_rewards_coef)
+        part = loss * share.weight
+        parts = {"loss/rm": part.item(), "rm/accuracy": stats["accuracy"].item() * share.weight,
+                 "rm/margin": stats["margin"].item() * share.weight}
+    else:  # no real pair here: a zero loss still runs backward, as every rank must
+        part = chosen.sum() * 0.0
+        parts = {"loss/rm": 0.0, "rm/accuracy": 0.0, "rm/margin": 0.0}
+    wrapped.backward(part)
+    stats = parallel.sum_metrics(parts, wrapped.world)  # the global batch's
+    grad_norm = clip_and_step(optimizer, scheduler, wrapped.model.parameters(), cfg.max_grad_norm, stats["loss/rm"],
+                              cfg.nonfinite, "reward-model")  # None: a non-finite update was dropped (nonfinite=skip)
+    return {**stats, "grad_norm": math.nan if grad_norm is None else grad_norm.item(), "skipped": grad_norm is None}
 
 
 def train(cfg: RMConfig, run: RunDir | None = None) -> RunResult:
@@ -279,42 +299,48 @@ def train(cfg: RMConfig, run: RunDir | None = None) -> RunResult:
     if not 0.0 <= cfg.average_weights <= 1.0:
         raise UserInputError(f"average_weights must be a fraction of the steps in [0, 1], not {cfg.average_weights}",
                              "--average_weights", "use e.g. 0.4 (the last 40 % of the steps) or 0 (off)")
-    configure_threads(cfg.threads)
+    world = parallel.init_world(cfg.device)
+    parallel.local_batch_size(cfg.batch_size, world)  # a batch that does not divide over the ranks is refused
+    if cfg.average_weights and parallel.resolve_strategy(cfg.parallel_strategy, world) == "fsdp2":
+        raise UserInputError("weight averaging keeps whole weights, which FSDP2 shards", "--average_weights",
+                             "use --parallel_strategy ddp, or --average_weights 0")
+    configure_threads(world.threads(cfg.threads))
     seed_everything(cfg.seed, cfg.deterministic)
     # 1. backbone -> scalar reward model (score head: small normal, zero bias)
     tokenizer = models.load_tokenizer(cfg.tokenizer or cfg.model, trust_remote_code=cfg.trust_remote_code)
     model = models.build_reward_model(cfg.model, tokenizer, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code)
     model = float32_for_training(model, f"reward model from {cfg.model}")  # whole weights train
     model.config.pad_token_id = tokenizer.pad_token_id
-    model.to(resolve_device(cfg.device))
+    model.to(world.device)
     models.disable_dropout(model)
     model.train()
-    shared_prefix = use_shared_prefix(cfg, model)
-    # 2. pairs, validated and tokenised before the run folder exists
+    # 2. pairs, validated and tokenised before the run folder exists (every rank builds the same)
     pairs = load_pairs(cfg, tokenizer, models.is_encoder_reward_model(model))
-    run, resumed = open_run(cfg, "rm") if run is None else (run, None)
+    world.check_same(pairs["train"], "the tokenised training pairs")
+    wrapped = parallel.wrap_model(model, world, cfg.parallel_strategy)
+    shared_prefix = use_shared_prefix(cfg, wrapped.model)
+    run, resumed = open_run(cfg, "rm", wrapped.layout) if run is None else (run, None)
     steps_per_epoch = math.ceil(len(pairs["train"]) / cfg.batch_size)
     total = steps_per_epoch * cfg.num_epochs
-    optimizer = make_optimizer(model.parameters(), cfg)
+    optimizer = make_optimizer(wrapped.model.parameters(), cfg)
     scheduler = make_scheduler(optimizer, cfg, total)
     rng = random.Random(cfg.seed)
     log.info("reward model: %d train pairs, %d steps", len(pairs["train"]), total)
 
     done, skipped, average_state = 0, 0, None  # steps already trained: all but the data order come back
     if resumed is not None:
-        progress = unpack_single(resumed, model, optimizer, scheduler)
+        progress = unpack_single(resumed, wrapped, optimizer, scheduler)
         resumed.commit()  # only now cut the histories back, record the resume
         done, skipped, average_state = progress["step"], progress.get("skipped", 0), progress.get("average")
     average = WeightAverage(model, average_state)
     average_from = first_averaged_step(total, cfg.average_weights)
-    pack = lambda: pack_single(model, optimizer, scheduler,  # noqa: E731
+    pack = lambda: pack_single(wrapped, optimizer, scheduler,  # noqa: E731
                                {"step": done, "skipped": skipped, "average": average.state()})
 
     # 3. epochs over shuffled pairs (a resumed run replays the shuffles and skips the steps done)
     step = 0
-    bar = tqdm(total=total, initial=done, desc="rm", unit="step", disable=not cfg.progress)
-    resumed_at = resumed.step if resumed is not None else None  # that checkpoint is on disk already
-    with Checkpointer(run.path, cfg.save_every, cfg.keep_last_n, resumed_at) as saver:  # SIGINT / SIGTERM handlers
+    bar = tqdm(total=total, initial=done, desc="rm", unit="step", disable=not (cfg.progress and world.is_main))
+    with checkpointer(run, cfg, resumed, wrapped, optimizer) as saver:  # SIGINT / SIGTERM handlers
         for _ in range(cfg.num_epochs):
             order = list(range(len(pairs["train"])))
             rng.shuffle(order)
@@ -323,9 +349,11 @@ def train(cfg: RMConfig, run: RunDir | None = None) -> RunResult:
                 if step <= done:
                     continue
                 batch_ids = order[start : start + cfg.batch_size]
-                batch = [pairs["train"][i] for i in batch_ids]
+                share = parallel.share_of(len(batch_ids), world)  # this rank's block of the global batch
+                batch = [pairs["train"][i] for i in parallel.take(batch_ids, share)]
                 stats, skipped = guarded_step(
-                    lambda: train_step(model, optimizer, scheduler, batch, tokenizer.pad_token_id, cfg, shared_prefix),
+                    lambda: train_step(wrapped, optimizer, scheduler, batch, share, tokenizer.pad_token_id, cfg,
+                                       shared_prefix),
                     f"reward-model step {step}", f"train pairs {batch_ids}", skipped, cfg.nonfinite)
                 if step % cfg.log_every == 0 or step == total:
                     run.log({**stats, "lr": scheduler.get_last_lr()[0]}, step=step)
@@ -341,14 +369,25 @@ def train(cfg: RMConfig, run: RunDir | None = None) -> RunResult:
     if average.apply():  # the steps this process and the checkpoints before it averaged: the last `count`
         log.info("reward model: the mean of the weights of steps %d-%d", step - average.count + 1, step)
 
-    # 4. held-out metrics per split, then the model as an ordinary HF folder
-    metrics = {split: evaluate_pairs(model, metric_sample(p, split, cfg.seed), tokenizer.pad_token_id,
-                                     shared_prefix=shared_prefix) for split, p in pairs.items()}
+    # 4. held-out metrics per split, then the model as an ordinary HF folder (rank 0, on the whole model)
+    model_dir = run.path / "model"
+    with wrapped.gathered() as whole:
+        metrics = world.from_main(lambda: held_out_and_save(whole, tokenizer, pairs, cfg, model_dir))
     run.log({f"{split}/{k}": v[k] for split, v in metrics.items() for k in ("accuracy", "margin")}, step=step)
-    model_dir = models.save_model_folder(run.path / "model", model, tokenizer)
     summary = run.update_summary(stage="rm", steps=step, pairs=metrics, train_pairs=len(pairs["train"]),
                                  averaged_steps=average.count, shared_prefix=shared_prefix,
                                  wall_time_s={"rm": round(time.time() - started, 1)}, model_dir=str(model_dir),
-                                 nonfinite={"mode": cfg.nonfinite, "skipped_updates": skipped})
+                                 nonfinite={"mode": cfg.nonfinite, "skipped_updates": skipped},
+                                 parallel={**wrapped.layout.describe(), **world.describe()})
     run.close()
     return RunResult(run.path, summary, model_dir)
+
+
+def held_out_and_save(model, tokenizer, pairs: dict[str, list[TokenizedPair]], cfg: RMConfig, model_dir) -> dict:
+    """Pairwise metrics of every split (the train split on a sample), then the HF folder. The packed forward
+    where it applies: `model` is whole here."""
+    shared_prefix = use_shared_prefix(cfg, model)
+    metrics = {split: evaluate_pairs(model, metric_sample(p, split, cfg.seed), tokenizer.pad_token_id,
+                                     shared_prefix=shared_prefix) for split, p in pairs.items()}
+    models.save_model_folder(model_dir, model, tokenizer)
+    return metrics

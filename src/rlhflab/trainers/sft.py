@@ -7,6 +7,10 @@ One optimiser step = `batch_size` sequences split into
 losses over the whole step divided by the step's completion-token count, so
 accumulation gives the same update as one big batch (a per-micro-batch mean
 would weight short micro-batches more; see transformers issue #34191).
+
+Several processes (README "Multi-process training"): `batch_size` stays the global batch; each rank
+trains on its block of it and normalises by the global token count, so the update is the single-process
+one. Rank 0 alone evaluates (on the whole model) and writes; the others wait for its results.
 """
 
 from __future__ import annotations
@@ -23,20 +27,19 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from rlhflab import data, models, rewards, sources, tasks
-from rlhflab.checkpoint import Checkpointer, open_run
+from rlhflab import data, models, parallel, rewards, sources, tasks
+from rlhflab.checkpoint import open_run
 from rlhflab.config import SFTConfig
 from rlhflab.errors import UserInputError
 from rlhflab.tracking import RunDir, RunResult
 from rlhflab.trainers.nonfinite import clip_and_step, guarded_step
-from rlhflab.trainers.single_state import pack_single, unpack_single
+from rlhflab.trainers.single_state import checkpointer, pack_single, unpack_single
 from rlhflab.trainers.validation import validate_pass_rate
 from rlhflab.trainers.setup import (
     configure_threads,
     load_or_build_policy,
     make_optimizer,
     make_scheduler,
-    resolve_device,
     seed_everything,
 )
 
@@ -111,26 +114,30 @@ def completion_loss_sum(model: torch.nn.Module, batch: data.SFTBatch) -> torch.T
     )
 
 
-def train_step(model, optimizer, scheduler, examples: list[data.TokenizedSFT], pad_id: int, cfg: SFTConfig) -> dict:
-    """One optimiser step over `examples`, in gradient_accumulation_steps micro-batches.
+def train_step(wrapped: parallel.Wrapped, optimizer, scheduler, examples: list[data.TokenizedSFT], pad_id: int,
+               cfg: SFTConfig) -> dict:
+    """One optimiser step over `examples` (this rank's block of the global batch), in
+    gradient_accumulation_steps micro-batches.
 
     The step's sequences are sorted by length before they are cut, so each micro-batch is
-    padded only to its own longest sequence; the loss is normalised over the whole step, so
-    the gradient is the one big batch's (on the built-in suite, 2 micro-batches of 32 are
-    29 % padding instead of 46 % for one batch of 64; ~15 % faster steps on 2 CPU cores).
+    padded only to its own longest sequence; the loss is normalised over the whole step (every
+    rank's tokens), so the gradient is the one big batch's (on the built-in suite, 2 micro-batches
+    of 32 are 29 % padding instead of 46 % for one batch of 64; ~15 % faster steps on 2 CPU cores).
     """
     micro = math.ceil(len(examples) / cfg.gradient_accumulation_steps)
     by_length = sorted(examples, key=lambda e: len(e.prompt_ids) + len(e.completion_ids))
     chunks = [by_length[i : i + micro] for i in range(0, len(by_length), micro)]
     batches = [data.collate_sft(chunk, pad_id) for chunk in chunks]
-    total_tokens = sum(b.num_label_tokens for b in batches)
+    total_tokens = parallel.total(sum(b.num_label_tokens for b in batches), wrapped.world)  # the global count
     loss_sum = 0.0
-    for batch in batches:
-        loss = completion_loss_sum(model, batch) / total_tokens
-        loss.backward()
+    for i, batch in enumerate(batches):
+        with wrapped.sync(i == len(batches) - 1):  # gradients cross ranks once, after the last micro-batch
+            loss = wrapped(completion_loss_sum, batch) / total_tokens
+            wrapped.backward(loss)
         loss_sum += loss.item()
-    grad_norm = clip_and_step(optimizer, scheduler, model.parameters(), cfg.max_grad_norm, loss_sum, cfg.nonfinite,
-                              "SFT")  # None: a non-finite update was dropped (nonfinite=skip)
+    loss_sum = parallel.total(loss_sum, wrapped.world)  # the global loss on every rank: all agree on a non-finite one
+    grad_norm = clip_and_step(optimizer, scheduler, wrapped.model.parameters(), cfg.max_grad_norm, loss_sum,
+                              cfg.nonfinite, "SFT")  # None: a non-finite update was dropped (nonfinite=skip)
     return {"loss/sft": loss_sum, "grad_norm": math.nan if grad_norm is None else grad_norm.item(),
             "tokens": total_tokens, "skipped": grad_norm is None}
 
@@ -147,7 +154,13 @@ def validation_loss(model, examples: list[data.TokenizedSFT], pad_id: int, batch
     return loss_sum / max(tokens, 1)
 
 
-def evaluate_now(model, tokenizer, sft_data: SFTData, cfg, step: int, run: RunDir) -> dict:
+def evaluate_now(wrapped: parallel.Wrapped, tokenizer, sft_data: SFTData, cfg, step: int, run: RunDir) -> dict:
+    """Held-out metrics, computed by rank 0 on the whole model (as one process would) and sent to every rank."""
+    with wrapped.gathered() as model:
+        return wrapped.world.from_main(lambda: held_out_metrics(model, tokenizer, sft_data, cfg, step, run))
+
+
+def held_out_metrics(model, tokenizer, sft_data: SFTData, cfg, step: int, run: RunDir) -> dict:
     metrics = {"val/loss": validation_loss(model, sft_data.validation, tokenizer.pad_token_id)} \
         if sft_data.validation else {}
     if sft_data.validation_items:
@@ -187,53 +200,56 @@ def batch_stream(lengths: list[int], batch_size: int, group_by_length: int, rng:
 def train(cfg: SFTConfig, run: RunDir | None = None) -> RunResult:
     """Run SFT as configured; returns the run folder and the HF model folder it wrote."""
     started = time.time()
-    configure_threads(cfg.threads)
+    world = parallel.init_world(cfg.device)
+    configure_threads(world.threads(cfg.threads))
     seed_everything(cfg.seed, cfg.deterministic)
     if cfg.max_steps < 1 or cfg.batch_size < 1 or cfg.gradient_accumulation_steps < 1:
         raise UserInputError("max_steps, batch_size and gradient_accumulation_steps must be >= 1", "sft config")
+    parallel.local_batch_size(cfg.batch_size, world)  # a batch that does not divide over the ranks is refused
     # 1. model and tokenizer (the tiny default is built from the suite's templates)
     model, tokenizer = load_or_build_policy(cfg)
-    model.to(resolve_device(cfg.device))
+    model.to(world.device)
     models.disable_dropout(model)
     model.train()
-    # 2. data, validated and tokenised before the run folder is created
+    # 2. data, validated and tokenised before the run folder is created (every rank builds the same)
     sft_data = load_sft_data(cfg, tokenizer)
-    run, resumed = open_run(cfg, "sft") if run is None else (run, None)
+    world.check_same(sft_data.train, "the tokenised SFT training data")
+    wrapped = parallel.wrap_model(model, world, cfg.parallel_strategy)
+    run, resumed = open_run(cfg, "sft", wrapped.layout) if run is None else (run, None)
     order_rng = random.Random(cfg.seed)
-    optimizer = make_optimizer(model.parameters(), cfg)
+    optimizer = make_optimizer(wrapped.model.parameters(), cfg)
     scheduler = make_scheduler(optimizer, cfg, cfg.max_steps)
-    log.info("SFT: %d train / %d validation sequences, %d steps x %d", len(sft_data.train),
-             len(sft_data.validation), cfg.max_steps, cfg.batch_size)
+    log.info("SFT: %d train / %d validation sequences, %d steps x %d (%s)", len(sft_data.train),
+             len(sft_data.validation), cfg.max_steps, cfg.batch_size, wrapped.layout.describe())
 
     lengths = [len(e.prompt_ids) + len(e.completion_ids) for e in sft_data.train]
     batches = batch_stream(lengths, cfg.batch_size, cfg.group_by_length, order_rng)
     done, stats, metrics, skipped = 0, {}, {}, 0
     if resumed is not None:  # weights, optimiser, RNGs back; replay the data order of the steps done
-        progress = unpack_single(resumed, model, optimizer, scheduler)
+        progress = unpack_single(resumed, wrapped, optimizer, scheduler)
         resumed.commit()  # only now cut the histories back, record the resume
         done, stats, metrics = progress["step"], progress["stats"], progress["metrics"]
         skipped = progress.get("skipped", 0)
         for _ in range(done):
             next(batches)
-    pack = lambda: pack_single(model, optimizer, scheduler,  # noqa: E731
+    pack = lambda: pack_single(wrapped, optimizer, scheduler,  # noqa: E731
                                {"step": done, "stats": stats, "metrics": metrics, "skipped": skipped})
-    bar = tqdm(range(done + 1, cfg.max_steps + 1), desc="sft", unit="step", disable=not cfg.progress)
-    resumed_at = resumed.step if resumed is not None else None  # that checkpoint is on disk already
-    with Checkpointer(run.path, cfg.save_every, cfg.keep_last_n, resumed_at) as saver:  # SIGINT / SIGTERM handlers
+    bar = tqdm(range(done + 1, cfg.max_steps + 1), desc="sft", unit="step", disable=not (cfg.progress and world.is_main))
+    with checkpointer(run, cfg, resumed, wrapped, optimizer) as saver:  # SIGINT / SIGTERM handlers
         for step in bar:
-            # 3. next batch: shuffled passes over the data (grouped by length if asked)
+            # 3. next global batch: shuffled passes over the data (grouped by length if asked); this rank's block
             batch_ids = next(batches)
             # 4. one optimiser step with completion-only loss (a non-finite one stops the run or is dropped)
-            batch = [sft_data.train[i] for i in batch_ids]
+            batch = [sft_data.train[i] for i in parallel.take(batch_ids, parallel.share_of(len(batch_ids), world))]
             stats, skipped = guarded_step(
-                lambda: train_step(model, optimizer, scheduler, batch, tokenizer.pad_token_id, cfg),
+                lambda: train_step(wrapped, optimizer, scheduler, batch, tokenizer.pad_token_id, cfg),
                 f"SFT step {step}", f"train examples {batch_ids}", skipped, cfg.nonfinite)
             if step % cfg.log_every == 0 or step == cfg.max_steps:
                 run.log({**stats, "lr": scheduler.get_last_lr()[0], "elapsed_s": time.time() - started}, step=step)
                 bar.set_postfix(loss=f"{stats['loss/sft']:.3f}")
             # 5. periodic validation: loss on reference answers and checked pass rate
             if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.max_steps:
-                metrics = evaluate_now(model, tokenizer, sft_data, cfg, step, run)
+                metrics = evaluate_now(wrapped, tokenizer, sft_data, cfg, step, run)
                 bar.set_postfix(loss=f"{stats['loss/sft']:.3f}",
                                 **{k.replace("/", "_"): f"{v:.3f}" for k, v in metrics.items()})
             # 6. checkpoint when due, or when SIGINT / SIGTERM asked (then raises Interrupted)
@@ -241,9 +257,10 @@ def train(cfg: SFTConfig, run: RunDir | None = None) -> RunResult:
             saver.step_done(step, pack)
         saver.finish(done, pack)
 
-    # 7. the model, as an ordinary HF folder
+    # 7. the model, as an ordinary HF folder (rank 0)
     model_dir = run.path / "model"
-    models.save_model_folder(model_dir, model, tokenizer)
+    with wrapped.gathered() as whole:
+        world.from_main(lambda: models.save_model_folder(model_dir, whole, tokenizer))
     summary = run.update_summary(
         stage="sft",
         final_loss=stats["loss/sft"],
@@ -252,6 +269,7 @@ def train(cfg: SFTConfig, run: RunDir | None = None) -> RunResult:
         wall_time_s={"sft": round(time.time() - started, 1)},
         model_dir=str(model_dir),
         nonfinite={"mode": cfg.nonfinite, "skipped_updates": skipped},
+        parallel={**wrapped.layout.describe(), **world.describe()},
     )
     run.close()
     return RunResult(run.path, summary, model_dir)

@@ -1,29 +1,59 @@
-"""What an SFT or reward-model checkpoint holds: one model, its optimiser, schedule, RNGs, position.
+"""What an SFT, reward-model or DPO checkpoint holds: one model, its optimiser, schedule, RNGs, position.
 
-The data order is not stored: both trainers draw it from a seeded `random.Random`, so a
+The data order is not stored: the trainers draw it from a seeded `random.Random`, so a
 resumed run replays the draws of the steps already done (microseconds) and continues
 with the very next batch. `progress` is the trainer's own small dict (step, last stats).
+
+Several processes: rank 0 packs. Under DDP the model is whole on every rank, so its checkpoint is
+the single-process one. Under FSDP2 the trainable weights and their AdamW moments are shards: every
+rank writes its own into `step-N/sharded/` (torch.distributed.checkpoint) and reads them back.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
-from rlhflab.checkpoint import Resumed, load_trainable_weights, restore_rng, rng_state, trainable_weights
+from rlhflab import parallel
+from rlhflab.checkpoint import Checkpointer, Resumed, load_trainable_weights, restore_rng, rng_state, trainable_weights
+from rlhflab.checkpoint.folder import SHARDED
 from rlhflab.checkpoint.state import load_optimiser
+from rlhflab.tracking import RunDir
 
 
-def pack_single(model: torch.nn.Module, optimizer, scheduler, progress: dict) -> tuple[dict[str, torch.Tensor], dict]:
-    state = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": rng_state(),
-             "progress": progress}
-    return trainable_weights({"model": model}), state
+def pack_single(wrapped: parallel.Wrapped, optimizer, scheduler, progress: dict) -> tuple[dict[str, torch.Tensor], dict]:
+    """(weights, state) of a checkpoint, on rank 0; no weights or moments when they are shards."""
+    state = {"scheduler": scheduler.state_dict(), "rng": rng_state(), "progress": progress}
+    if wrapped.layout.sharded:
+        return {}, state
+    return trainable_weights({"model": wrapped.model}), {**state, "optimizer": optimizer.state_dict()}
 
 
-def unpack_single(resumed: Resumed, model: torch.nn.Module, optimizer, scheduler) -> dict:
-    """Put a checkpoint back into a freshly built model / optimiser / schedule; returns `progress`.
+def unpack_single(resumed: Resumed, wrapped: parallel.Wrapped, optimizer, scheduler) -> dict:
+    """Put a checkpoint back into a freshly built (and wrapped) model / optimiser / schedule; returns `progress`.
 
     The optimiser's hyperparameters stay those of the config (see `load_optimiser`)."""
-    load_trainable_weights({"model": model}, resumed.weights, str(resumed.checkpoint / "model.safetensors"))
-    load_optimiser(optimizer, scheduler, resumed.state, str(resumed.checkpoint / "state.safetensors"))
+    where = str(resumed.checkpoint / "state.safetensors")
+    if wrapped.layout.sharded:
+        from rlhflab.parallel.state import load_sharded
+
+        shards = resumed.checkpoint / SHARDED
+        load_optimiser(optimizer, scheduler, resumed.state, where,
+                       load_moments=lambda: load_sharded(wrapped.model, optimizer, shards))
+    else:
+        load_trainable_weights({"model": wrapped.model}, resumed.weights, str(resumed.checkpoint / "model.safetensors"))
+        load_optimiser(optimizer, scheduler, resumed.state, where)
     restore_rng(resumed.state["rng"])
     return resumed.state["progress"]
+
+
+def checkpointer(run: RunDir, cfg, resumed: Resumed | None, wrapped: parallel.Wrapped, optimizer) -> Checkpointer:
+    """The loop's Checkpointer for this layout (a resumed run's own checkpoint is on disk already)."""
+    def write_shards(folder: Path) -> None:
+        from rlhflab.parallel.state import save_sharded
+
+        save_sharded(wrapped.model, optimizer, folder)
+
+    return Checkpointer(run.path, cfg.save_every, cfg.keep_last_n, resumed.step if resumed is not None else None,
+                        layout=wrapped.layout, write_shards=write_shards if wrapped.layout.sharded else None)
