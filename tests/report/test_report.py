@@ -65,9 +65,9 @@ def test_demo_verdict_compares_each_model_with_sft_prompt_by_prompt(make_run, tm
     run = _demo_run(make_run, tmp_path / "demo", {"sft": range(147), "ppo": range(19, 220), "ppo_rm": range(30, 150)})
     text = write_report(run).read_text()
     verdict = section_of(text, "Did the model get better on held-out prompts?")
-    assert ("49.0% [43.4–54.6] → 67.0% [61.5–72.1] (+18.0 pts [+12.0, +22.7], better, paired over 300 prompts; "
+    assert ("49.0% [43.4–54.6] → 67.0% [61.5–72.1] (+18.0 pts [+12.0, +23.8], better, paired over 300 prompts; "
             "sft → ppo)") in verdict
-    assert "49.0% [43.4–54.6] → 40.0% [34.6–45.6] (-9.0 pts [-10.6, -5.6], worse, paired over 300 prompts" in verdict
+    assert "49.0% [43.4–54.6] → 40.0% [34.6–45.6] (-9.0 pts [-12.6, -5.3], worse, paired over 300 prompts" in verdict
     assert "Mixed: better on ppo; worse on ppo_rm." in verdict
     families = section_of(text, "Pass rate per family")
     assert re.search(r"overall</th><td[^>]*>49.0% \[43.4–54.6\]</td>", families)
@@ -79,7 +79,7 @@ def test_demo_verdict_says_within_noise_for_a_small_gain_on_300_prompts(make_run
     run = _demo_run(make_run, tmp_path / "demo", {"sft": range(147), "ppo": range(14, 167)})
     verdict = section_of(write_report(run).read_text(), "Did the model get better on held-out prompts?")
     assert "Within noise on the held-out check: the 95 % interval of the difference includes 0 " \
-           "(ppo +2.0 pts [-2.1, +5.7])." in verdict
+           "(ppo +2.0 pts [-1.8, +5.8])." in verdict
     assert "Better" not in verdict and 'class="verdict neutral"' in verdict
 
 

@@ -38,7 +38,8 @@ def tiny_cfg(policy_dir, **overrides) -> PPOConfig:
     base = dict(model=policy_dir, batch_size=8, num_mini_batches=2, num_ppo_epochs=2, response_length=6,
                 total_episodes=16, eval_every=0, eval_prompts=4, sample_prompts=2, max_new_tokens=6,
                 num_train_prompts=22, num_validation_prompts=11, num_test_prompts=11, progress=False,
-                threads=1, learning_rate=1e-3, temperature=0.9)
+                threads=1, learning_rate=1e-3, temperature=0.9,
+                value_warmup_rollouts=0)  # these tests train the policy from the first rollout
     return PPOConfig(**{**base, **overrides})
 
 

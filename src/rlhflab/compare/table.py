@@ -45,6 +45,6 @@ def format_compare_table(summary: dict) -> str:
     widths = [max(len(line[i]) for line in lines if not line[1].startswith("failed") or i != 1) for i in range(6)]
     text = ["  ".join(c.ljust(w) if i == 0 or c.startswith("failed") else c.rjust(w)
                       for i, (c, w) in enumerate(zip(line, widths))).rstrip() for line in lines]
-    footer = ("[low–high]: 95 % intervals; a gain is paired over the test prompts (exact McNemar) and called better "
+    footer = ("[low–high]: 95 % intervals; a gain is paired over the test prompts (Agresti-Min) and called better "
               "or worse only where its interval excludes 0")
     return "\n".join([text[0], "  ".join("-" * w for w in widths), *text[1:], footer])

@@ -8,7 +8,7 @@ differ. It reads the comparison folder only (summary.json, samples.jsonl, DIR/<m
 
 Noise: every model answers the same test prompts, so two models are compared prompt by
 prompt. The prompts one model passes and the other fails ("fixed" / "broken") give the 95 %
-interval of the difference in pass rate (rlhflab.intervals, exact McNemar); a difference is
+interval of the difference in pass rate (rlhflab.intervals: Agresti-Min, McNemar p beside it); a difference is
 called real only when that interval excludes 0, anything else is within noise, with its
 interval.
 """

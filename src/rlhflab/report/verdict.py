@@ -6,7 +6,7 @@ held-out check — test or validation pass rate before and after — read from s
 or from the validation rows of metrics.jsonl when the summary has none.
 
 Every rate carries its 95 % interval and every change the interval of the difference
-(rlhflab.intervals): paired over the same prompts (exact McNemar) where the run kept each
+(rlhflab.intervals): paired over the same prompts (Agresti-Min) where the run kept each
 prompt's verdict (the demo's and a comparison's test answers), otherwise unpaired (Newcombe),
 which is conservative. A change is called better or worse only when that interval excludes 0;
 otherwise the report says it is within noise and gives the interval.
@@ -350,7 +350,7 @@ def family_table(run: RunFolder) -> Markup | None:
             row.append(_change(rates[0], rates[-1], diff))
         n = sum(v for v in counts.values() if isinstance(v, int)) if family == OVERALL else counts.get(family, "—")
         rows.append(row + ([n] if counts else []))
-    how = "paired over the same prompts (exact McNemar)" if paired else "unpaired (Newcombe; conservative)"
+    how = "paired over the same prompts (Agresti-Min)" if paired else "unpaired (Newcombe; conservative)"
     change = f" Change: {names[0]} → {names[-1]} with the 95 % interval of the difference, {how}; better or worse " \
              f"only where it excludes 0." if len(names) > 1 else ""
     said = note(f"[low–high]: 95 % interval of each rate (Wilson).{change}") if intervals else Markup("")

@@ -5,12 +5,16 @@
 Advantages: per-token rewards r_t = -beta * KL_t on every real token plus the score on the last one,
 GAE (gamma, lam) against the value head's estimates, whitened over the rollout. Loss: the clipped
 surrogate plus vf_coef x the clipped value loss, a token mean over the minibatch, for `num_ppo_epochs`
-passes. beta may adapt towards a KL target (Ziegler et al. 2019). The cycle itself (prompts, rollout,
-scores, steps, evaluation, monitor, checkpoints) is trainers/online/loop.py's, shared with GRPO, RLOO
-and REINFORCE.
+passes. beta may adapt towards a KL target (Ziegler et al. 2019). The critic: the value head takes its
+own learning rate (`value_head_learning_rate`) and the first `value_warmup_rollouts` rollouts train it
+alone (issue 16: at the policy's rate the demo's value head never predicted returns). The cycle itself
+(prompts, rollout, scores, steps, evaluation, monitor, checkpoints) is trainers/online/loop.py's, shared
+with GRPO, RLOO and REINFORCE.
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 from torch import Tensor
@@ -25,11 +29,20 @@ from rlhflab.trainers.online.loop import train_online
 from rlhflab.trainers.online.monitor import Monitor
 from rlhflab.trainers.online.setup import check_online_config
 
+log = logging.getLogger("rlhflab")
+
 
 def kl_controller(cfg: PPOConfig):
     if cfg.adaptive_kl:
         return core.AdaptiveKLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon)
     return core.FixedKLController(cfg.kl_coef)
+
+
+def value_head_parameters(roles) -> list[torch.nn.Parameter]:
+    """The scalar value head's trainable tensors (on the shared trunk, the value adapter or the value model):
+    the one part of the critic that starts from nothing (a zero or random head) instead of pretrained weights."""
+    head = roles.value_head if roles.value_head is not None else getattr(roles.value_model, "value_head", None)
+    return [p for p in head.parameters() if p.requires_grad] if head is not None else []
 
 
 def masked_var_of(x, mask):
@@ -55,11 +68,28 @@ class PPO(AlgorithmDefaults):
             raise UserInputError(f"num_ppo_epochs must be > 0, got {cfg.num_ppo_epochs}", "--num_ppo_epochs")
         if cfg.adaptive_kl and (cfg.kl_target <= 0 or cfg.kl_horizon <= 0):
             raise UserInputError("adaptive_kl needs kl_target > 0 and kl_horizon > 0", "--kl_target / --kl_horizon")
+        if cfg.value_head_learning_rate < 0 or cfg.value_warmup_rollouts < 0:
+            raise UserInputError("value_head_learning_rate and value_warmup_rollouts must be >= 0",
+                                 "--value_head_learning_rate / --value_warmup_rollouts",
+                                 "0 = learning_rate / no warm-up")
         if cfg.value_mode == "lora_adapter" and cfg.lora_r <= 0:
             raise UserInputError("value_mode=lora_adapter needs a LoRA policy", "--value_mode", "set --lora_r 8 (or more)")
+        updates = cfg.total_episodes // max(cfg.batch_size, 1)
+        if cfg.value_warmup_rollouts and cfg.value_warmup_rollouts >= updates:
+            log.warning("value_warmup_rollouts %d >= the run's %d updates: the policy never trains",
+                        cfg.value_warmup_rollouts, updates)
         self.cfg = cfg
         self.epochs = cfg.num_ppo_epochs
         self.kl_ctl = kl_controller(cfg)
+        self.updates = 0  # rollouts trained on so far: the first value_warmup_rollouts train the critic alone
+
+    def param_groups(self, roles) -> list[dict]:
+        """Everything at learning_rate but the value head, at value_head_learning_rate (when set)."""
+        head = {id(p) for p in value_head_parameters(roles)}
+        params = roles.trainable_parameters()
+        lr = self.cfg.value_head_learning_rate or self.cfg.learning_rate
+        return [{"params": [p for p in params if id(p) not in head]},
+                {"params": [p for p in params if id(p) in head], "lr": lr}]
 
     def advantages(self, batch: ScoredRollout) -> Advantages:
         cfg, rollout, mask = self.cfg, batch.rollout, batch.mask
@@ -93,17 +123,21 @@ class PPO(AlgorithmDefaults):
         stats = {"loss/policy": pg_loss.detach(), "loss/value": vf_loss.detach(),
                  **{f"policy/{k}": v for k, v in pg_stats.items()}, "val/clipfrac": vf_stats["clipfrac"],
                  "ratio_var": masked_var_of(ratio, mask)}
-        return (pg_loss + cfg.vf_coef * vf_loss) * weight, stats
+        # a critic warm-up rollout: the policy's loss is off, its weights see only the value loss's gradient
+        pg_weight = 0.0 if self.updates < cfg.value_warmup_rollouts else 1.0
+        return (pg_weight * pg_loss + cfg.vf_coef * vf_loss) * weight, stats
 
     def after_update(self, batch: ScoredRollout) -> None:
         kl = self._penalty
         self.kl_ctl.update((kl * batch.mask).sum(dim=1)[batch.valid].mean().item(), self.cfg.batch_size)  # NaN: β as is
+        self.updates += 1
 
     def state_dict(self) -> dict:
-        return {"kl_controller": self.kl_ctl.state_dict()}
+        return {"kl_controller": self.kl_ctl.state_dict(), "updates": self.updates}
 
     def load_state_dict(self, state: dict) -> None:
         self.kl_ctl.load_state_dict(state["kl_controller"])
+        self.updates = state.get("updates", 0)  # checkpoints written before the warm-up existed
 
 
 def check_config(cfg: PPOConfig) -> None:

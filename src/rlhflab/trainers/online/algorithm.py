@@ -75,6 +75,10 @@ class Algorithm(Protocol):
         """The loss stats averaged over an update's steps, under the algorithm's metric names."""
         ...
 
+    def param_groups(self, roles) -> list[dict]:
+        """The optimiser's parameter groups over `roles.trainable_parameters()` (PPO: the critic's own lr)."""
+        ...
+
     def after_update(self, batch: ScoredRollout) -> None:
         """State to move once an update is done (PPO's adaptive KL coefficient)."""
         ...
@@ -88,12 +92,16 @@ class Algorithm(Protocol):
 
 class AlgorithmDefaults:
     """What most algorithms leave as is: metric names from the class's `step_names` table, and no state
-    carried between updates (PPO's KL coefficient and REINFORCE's moving baseline override the last three)."""
+    carried between updates (PPO's KL coefficient and REINFORCE's moving baseline override the last three),
+    and one optimiser group at the config's learning rate (PPO gives its critic a group of its own)."""
 
     step_names: dict[str, str] = {}  # averaged loss stat -> its metric name (TRL's where TRL has one)
 
     def step_metrics(self, stats: dict) -> dict:
         return {self.step_names[k]: v for k, v in stats.items() if k in self.step_names}
+
+    def param_groups(self, roles) -> list[dict]:
+        return [{"params": roles.trainable_parameters()}]
 
     def after_update(self, batch: ScoredRollout) -> None:
         pass

@@ -223,7 +223,7 @@ def train_online(cfg, algorithm: Algorithm, run: RunDir | None = None, reward_fn
 
     group = algorithm.samples_per_prompt
     num_updates = cfg.total_episodes // cfg.batch_size
-    optimizer = make_optimizer(roles.trainable_parameters(), cfg, fused=True)  # steps every minibatch
+    optimizer = make_optimizer(algorithm.param_groups(roles), cfg, fused=True)  # steps every minibatch
     scheduler = make_scheduler(optimizer, cfg, num_updates * algorithm.epochs * cfg.num_mini_batches)
     generator = torch.Generator().manual_seed(cfg.seed)  # prompt order and minibatches
     device = next(roles.policy.parameters()).device
