@@ -38,5 +38,7 @@ def load_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, folder: Pat
     model_state, optimizer_state = get_state_dict(model, optimizer, options=_TRAINABLE)
     state = {"model": model_state, "optimizer": optimizer_state}
     dcp.load(state, checkpoint_id=str(folder))
+    # not strict: the frozen weights (a LoRA base) are not in the checkpoint; dcp.load above already refused a
+    # checkpoint that lacks any trainable one
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
-                   options=_TRAINABLE)
+                   options=StateDictOptions(ignore_frozen_params=True, strict=False))

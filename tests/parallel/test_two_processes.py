@@ -1,0 +1,254 @@
+"""Two processes (torchrun, gloo on CPU) train what one process trains: SFT, reward model and DPO, DDP and FSDP2.
+
+One torchrun launch runs all six 2-process trainings and a resume of each from a mid-run checkpoint
+(launch_runs.py); the single-process runs happen here, in-process. Then, per stage and strategy: the same
+weights (max abs difference <= 1e-5 in float32; the figure is printed), the same metrics.jsonl apart from
+wall-clock fields (same rows and keys, numbers to float rounding), and a resume equal to the uninterrupted
+run bit for bit. Three more launches through `-m rlhflab`: SIGKILL after a checkpoint + `--resume latest`,
+a deliberate exception on rank 1 (RLHFLAB_FAIL_AT), and nothing written by rank 1 anywhere.
+"""
+
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+from runcheck import WALL_CLOCK, wait_for
+from safetensors.torch import load_file
+from tinyhf import save_suite_model
+
+from rlhflab.checkpoint import MARKER, complete_checkpoints
+from rlhflab.cli import main
+from rlhflab.config import STAGES, parse_config
+from rlhflab.trainers import dpo, reward, sft
+
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                reason="torch.distributed with gloo is not available in this torch build")
+
+HERE = Path(__file__).parent
+SUITE = ["--num_train_prompts", "22", "--num_validation_prompts", "11", "--num_test_prompts", "11",
+         "--progress", "false", "--threads", "1", "--seed", "3", "--log_every", "1", "--keep_last_n", "0"]
+LAUNCH = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+ENV = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def sft_args(out, policy_dir=None):
+    return ["sft", "--output_dir", str(out), "--hidden_size", "32", "--num_layers", "1", "--intermediate_size", "64",
+            "--sft_examples", "48", "--batch_size", "8", "--gradient_accumulation_steps", "2", "--max_steps", "6",
+            "--eval_every", "3", "--eval_prompts", "2", "--max_new_tokens", "4", "--save_every", "2", *SUITE]
+
+
+def rm_args(out, policy_dir):  # 21 pairs in batches of 4: the last step has 1 pair, rank 1 only padding
+    return ["rm", "--model", policy_dir, "--output_dir", str(out), "--pairs_per_prompt", "1", "--batch_size", "4",
+            "--num_epochs", "1", "--save_every", "2", *SUITE, "--num_train_prompts", "21"]
+
+
+def dpo_args(out, policy_dir):  # 21 pairs in steps of 6: the last one has 3 (2 on rank 0, 1 on rank 1)
+    return ["dpo", "--model", policy_dir, "--output_dir", str(out), "--pairs_per_prompt", "1", "--batch_size", "6",
+            "--max_pairs", "21", "--gradient_accumulation_steps", "2", "--learning_rate", "2e-4", "--warmup_steps",
+            "0", "--eval_every", "2", "--eval_prompts", "2", "--max_new_tokens", "4", "--save_every", "2", *SUITE]
+
+
+# name: (arguments, extra flags, checkpoint the resume starts from)
+RUNS = {
+    "sft-ddp": (sft_args, ["--parallel_strategy", "ddp"], 2),
+    "sft-fsdp2": (sft_args, ["--parallel_strategy", "fsdp2"], 2),
+    "rm-ddp": (rm_args, ["--parallel_strategy", "ddp"], 2),
+    "rm-fsdp2": (rm_args, ["--parallel_strategy", "fsdp2"], 4),
+    "dpo-ddp": (dpo_args, ["--parallel_strategy", "ddp"], 2),
+    "dpo-fsdp2-lora": (dpo_args, ["--parallel_strategy", "fsdp2", "--lora_r", "4"], 2),
+}
+TRAINERS = {"sft": sft.train, "rm": reward.train, "dpo": dpo.train}
+
+
+def train_here(args: list[str]) -> float:
+    """`rlhflab <args>` in this process (no report); its wall seconds."""
+    started = time.time()
+    TRAINERS[args[0]](parse_config(STAGES[args[0]], args[1:], prog="rlhflab"))
+    return time.time() - started
+
+
+def launch(args: list[str], cwd: Path, timeout: float = 600, **env) -> subprocess.CompletedProcess:
+    done = subprocess.run([*LAUNCH, *args], cwd=cwd, env={**ENV, **env}, capture_output=True, text=True,
+                          timeout=timeout)
+    return done
+
+
+def metric_rows(path: Path) -> list[dict]:
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    return [{k: v for k, v in r.items() if k not in WALL_CLOCK} for r in rows]
+
+
+def max_weight_difference(a: Path, b: Path) -> float:
+    left, right = load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))
+    assert left.keys() == right.keys()
+    return max((left[k].float() - right[k].float()).abs().max().item() for k in left)
+
+
+def assert_same_metrics(one: list[dict], two: list[dict]) -> None:
+    """The same rows and keys; numbers equal up to the float rounding of sums taken in another order.
+
+    Except DPO's share of pairs with chosen reward > rejected while the policy is still the reference (step
+    1): every implicit reward there is rounding noise (|margin| ~1e-6), so which pairs "win" is noise too."""
+    assert [r["step"] for r in one] == [r["step"] for r in two]
+    for a, b in zip(one, two):
+        assert a.keys() == b.keys(), (a["step"], a.keys() ^ b.keys())
+        for key in a:
+            if key.endswith("rewards/accuracies") and abs(a[key.replace("accuracies", "margins")]) < 1e-5:
+                continue
+            same = a[key] == b[key] or (isinstance(a[key], float) and math.isclose(a[key], b[key], rel_tol=1e-4,
+                                                                                   abs_tol=1e-5))
+            assert same, f"step {a['step']} {key}: {a[key]} (1 process) vs {b[key]} (2 processes)"
+
+
+@pytest.fixture(scope="module")
+def policy_dir(tmp_path_factory) -> str:
+    return save_suite_model(tmp_path_factory.mktemp("policy"))
+
+
+@pytest.fixture(scope="module")
+def runs(policy_dir, tmp_path_factory) -> dict:
+    """Every RUNS entry in 1 process (here) and in 2 (one torchrun launch, then resumed there from a checkpoint)."""
+    root = tmp_path_factory.mktemp("parallel")
+    cwd = root / "cwd"  # the launch's working directory: a rank writing where it should not shows up here
+    cwd.mkdir()
+    out, jobs = {}, []
+    for name, (args, flags, resume_at) in RUNS.items():
+        one, two = root / name / "one", root / name / "two"
+        out[name] = {"one": one, "two": two, "wall_one": train_here([*args(one, policy_dir), *flags])}
+        jobs.append({"args": [*args(two, policy_dir), *flags], "resume_at": resume_at})
+    (root / "jobs.json").write_text(json.dumps(jobs))
+    done = launch([str(HERE / "launch_runs.py"), str(root / "jobs.json")], cwd)
+    assert done.returncode == 0, done.stderr[-6000:]
+    for name in RUNS:
+        walls = json.loads((out[name]["two"] / "wall.json").read_text())
+        out[name].update(wall_two=walls["run"], cwd=cwd)
+    return out
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_two_processes_train_the_weights_and_metrics_of_one(runs, name):
+    run = runs[name]
+    difference = max_weight_difference(run["one"] / "model", run["two"] / "model-uninterrupted")
+    print(f"\n{name}: max |w_1 - w_2| = {difference:.2e}; wall {run['wall_one']:.1f} s (1 process), "
+          f"{run['wall_two']:.1f} s (2 processes)")
+    assert difference <= 1e-5
+    assert difference > 0 or name.startswith("dpo-fsdp2")  # sums in another order: equal to rounding, not bits
+    assert_same_metrics(metric_rows(run["one"] / "metrics.jsonl"), metric_rows(run["two"] / "metrics-uninterrupted.jsonl"))
+    summary = json.loads((run["two"] / "summary.json").read_text())
+    assert summary["parallel"]["world_size"] == 2 and summary["parallel"]["strategy"] == name.split("-")[1]
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_a_resume_at_two_processes_equals_the_uninterrupted_run(runs, name):
+    two = runs[name]["two"]
+    assert_same_weights_in(two / "model", two / "model-uninterrupted")
+    assert metric_rows(two / "metrics.jsonl") == metric_rows(two / "metrics-uninterrupted.jsonl")
+    assert [r["step"] for r in json.loads((two / "summary.json").read_text())["resumes"]] == [RUNS[name][2]]
+
+
+def assert_same_weights_in(a: Path, b: Path) -> None:
+    left, right = load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))
+    assert left.keys() == right.keys() and all(left[k].equal(right[k]) for k in left)
+
+
+def test_only_rank_0_writes_and_fsdp2_checkpoints_hold_every_rank_s_shards(runs):
+    assert list(runs["sft-ddp"]["cwd"].iterdir()) == []  # no default runs/ folder from a rank that missed the path
+    for name in RUNS:
+        two = runs[name]["two"]
+        assert sorted(p.name for p in two.parent.iterdir()) == ["one", "two"]
+        last = complete_checkpoints(two / "checkpoints")[-1]
+        marker = json.loads((last / MARKER).read_text())
+        shards = sorted(f for f in marker["files"] if f.startswith("sharded/"))
+        if "fsdp2" in name:  # DCP: one file per rank and its metadata, covered by the marker
+            assert shards == ["sharded/.metadata", "sharded/__0_0.distcp", "sharded/__1_0.distcp"]
+            assert load_file(str(last / "model.safetensors")) == {}
+        else:
+            assert shards == [] and load_file(str(last / "model.safetensors"))
+
+
+def test_a_sharded_checkpoint_is_refused_at_another_world_size_and_a_ddp_one_continues(runs, policy_dir, tmp_path,
+                                                                                           capsys):
+    two = runs["sft-fsdp2"]["two"]
+    before = (two / "metrics.jsonl").read_bytes()
+    args = [*sft_args(two), "--parallel_strategy", "fsdp2", "--resume", str(two / "checkpoints" / "step-2")]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "written by 2 process(es) with parallel_strategy fsdp2; this run has 1" in err
+    assert "torchrun --nproc_per_node 2" in err
+    assert (two / "metrics.jsonl").read_bytes() == before  # refused before touching anything
+    # a DDP checkpoint holds the whole model: one process continues it, to the 2-process weights up to rounding
+    copy = tmp_path / "rm-ddp"
+    shutil.copytree(runs["rm-ddp"]["two"], copy)
+    train_here([*rm_args(copy, policy_dir), "--parallel_strategy", "ddp", "--resume", str(copy / "checkpoints" / "step-2")])
+    assert max_weight_difference(copy / "model", runs["rm-ddp"]["two"] / "model-uninterrupted") <= 1e-5
+
+
+def process_tree(pid: int) -> list[int]:
+    """`pid` and every process below it (torchrun starts each rank in a session of its own, so a process
+    group signal would miss them)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(parent, []).append(int(stat.parent.name))
+    tree, todo = [], [pid]
+    while todo:
+        tree.append(todo.pop())
+        todo.extend(children.get(tree[-1], []))
+    return tree
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds the ranks through /proc (Linux)")
+def test_sigkill_after_a_checkpoint_then_resume_latest_equals_the_uninterrupted_run(runs, policy_dir, tmp_path):
+    out, cwd = tmp_path / "killed", tmp_path / "cwd"
+    cwd.mkdir()
+    args = ["-m", "rlhflab", *sft_args(out), "--parallel_strategy", "fsdp2"]
+    job = subprocess.Popen([*LAUNCH, *args], cwd=cwd, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                           text=True)
+    wait_for(out / "checkpoints" / "step-2" / MARKER, job)
+    for pid in process_tree(job.pid):  # the whole job at once: torchrun and both ranks
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    job.communicate(timeout=60)
+    assert not (out / "summary.json").exists()  # it died mid-run
+    done = launch([*args, "--resume", "latest"], cwd)
+    assert done.returncode == 0, done.stderr[-4000:]
+    uninterrupted = runs["sft-fsdp2"]["two"]
+    assert_same_weights_in(out / "model", uninterrupted / "model-uninterrupted")
+    assert metric_rows(out / "metrics.jsonl") == metric_rows(uninterrupted / "metrics-uninterrupted.jsonl")
+    assert list(cwd.iterdir()) == []
+
+
+def test_an_exception_on_rank_1_ends_rank_0_within_seconds_with_its_message(policy_dir, tmp_path):
+    out, cwd = tmp_path / "failed", tmp_path / "cwd"
+    cwd.mkdir()
+    job = subprocess.Popen([*LAUNCH, "-m", "rlhflab", *rm_args(out, policy_dir), "--parallel_strategy", "ddp"],
+                           cwd=cwd, env={**ENV, "RLHFLAB_FAIL_AT": "1:3"}, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.PIPE, text=True)
+    err, failed_at = [], None
+    for line in job.stderr:  # torchrun passes every rank's stderr through
+        err.append(line)
+        if failed_at is None and "deliberate failure on rank 1 after step 3" in line:
+            failed_at = time.time()
+    job.wait(timeout=120)
+    assert failed_at is not None, "".join(err[-60:])
+    ended_in = time.time() - failed_at
+    assert job.returncode != 0
+    assert ended_in < 20, f"the launch ended {ended_in:.1f} s after rank 1 failed"
+    assert any("rank      : 1" in line for line in err)  # torchrun names rank 1 as the first failure
+    # one run folder; rank 0 wrote no checkpoint past the failure (the step-2 one is complete)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cwd", "failed"] and list(cwd.iterdir()) == []
+    assert [p.name for p in complete_checkpoints(out / "checkpoints")] == ["step-2"]
+    assert not (out / "summary.json").exists()
