@@ -27,8 +27,11 @@ class SFTConfig(ParallelFields, CheckpointFields, RunFields, ModelFields, TinyMo
     max_steps: int = arg(1000, "optimiser steps (the tiny model learns to copy unseen words only after ~600)")
     batch_size: int = arg(64, "sequences per optimiser step (split over gradient_accumulation_steps)")
     gradient_accumulation_steps: int = arg(
-        2, "micro-batches per optimiser step, cut from the step's sequences sorted by length (less padding, "
-           "same gradient)")
+        2, "micro-batches per optimiser step, cut from the step's packed rows (or its sequences sorted by length), "
+           "same gradient")
+    packing: bool = arg(True, "several sequences per row, each with its own positions and attention: the padded "
+                              "batch's loss and gradient without running its padding (Llama / Qwen2 layouts; "
+                              "others are padded)")
     eval_every: int = arg(250, "validation loss and pass rate every N steps; 0 = only at the end")
     eval_prompts: int = arg(100, "validation prompts used for the periodic pass rate")
     group_by_length: int = arg(0, "sort runs of this many batches by length before cutting them (less padding); 0 = off")
@@ -91,6 +94,9 @@ class RMConfig(ParallelFields, CheckpointFields, RunFields, ModelFields, SuiteFi
     average_weights: float = arg(0.0, "save the mean of the weights over this last fraction of the steps "
                                       "(stochastic weight averaging); 0 = the last step's weights")
     center_rewards_coef: float = arg(0.0, "reward-centring penalty coef * (r_c + r_r)^2 (Eisenstein et al. 2023)")
+    pass_fail_coef: float = arg(0.0, "coef * binary cross-entropy of each score as the logit of 'acceptable' (chosen "
+                                     "1, rejected 0): one threshold across prompts and families; only where every "
+                                     "chosen answer is acceptable and every rejected one is not (the suite's pairs)")
     learning_rate: float = arg(3e-4, "peak AdamW learning rate")
     warmup_steps: int = arg(5, "linear warmup steps")
     lr_schedule: Literal["cosine", "linear", "constant"] = arg("linear", "decay after warmup")

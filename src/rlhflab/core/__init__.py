@@ -25,6 +25,7 @@ from rlhflab.core.losses import (
     ipo_loss,
     ppo_policy_loss,
     reward_centering_penalty,
+    pass_fail_loss,
     sequence_log_ratio,
     simpo_loss,
 )

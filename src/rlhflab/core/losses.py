@@ -172,6 +172,18 @@ def reward_centering_penalty(chosen_scores: Tensor, rejected_scores: Tensor, coe
     return coef * ((chosen_scores + rejected_scores) ** 2).mean()
 
 
+def pass_fail_loss(chosen_scores: Tensor, rejected_scores: Tensor) -> Tensor:
+    """Each score read as the logit of "this answer is acceptable": mean binary cross-entropy with
+    label 1 for the chosen and 0 for the rejected, (softplus(−r_c) + softplus(r_r)) / 2.
+
+    Bradley–Terry only orders the two answers of one prompt, so each prompt (and family) may sit
+    on its own scale; this term puts every family's acceptable answers above 0 and its failing
+    ones below, the one threshold a reward read across prompts needs (an outcome verifier trained
+    as a classifier, Cobbe et al. 2021). Only meaningful where every chosen
+    answer is acceptable and every rejected one is not (the built-in suite's pairs). (B,), (B,) -> scalar."""
+    return 0.5 * (F.softplus(-chosen_scores).mean() + F.softplus(rejected_scores).mean())
+
+
 # --- direct preference optimisation ------------------------------------------------
 
 

@@ -30,7 +30,7 @@ from rlhflab import data, models, parallel, tasks
 from rlhflab.rewards.model import encoder_rows
 from rlhflab.checkpoint import open_run
 from rlhflab.config import RMConfig
-from rlhflab.core import bradley_terry_loss, reward_centering_penalty
+from rlhflab.core import bradley_terry_loss, pass_fail_loss, reward_centering_penalty
 from rlhflab.errors import UserInputError
 from rlhflab.models.precision import float32_for_training
 from rlhflab.rollout import GenerationSettings, generate_answers
@@ -274,6 +274,8 @@ def train_step(wrapped: parallel.Wrapped, optimizer, scheduler, batch: list[Toke
         loss, stats = bradley_terry_loss(chosen, rejected, margin=cfg.margin if cfg.margin else None)
         if cfg.center_rewards_coef > 0:
             loss = loss + reward_centering_penalty(chosen, rejected, cfg.center_rewards_coef)
+        if cfg.pass_fail_coef > 0:
+            loss = loss + cfg.pass_fail_coef * pass_fail_loss(chosen, rejected)
         part = loss * share.weight
         parts = {"loss/rm": part.item(), "rm/accuracy": stats["accuracy"].item() * share.weight,
                  "rm/margin": stats["margin"].item() * share.weight}

@@ -114,25 +114,44 @@ def completion_loss_sum(model: torch.nn.Module, batch: data.SFTBatch) -> torch.T
     )
 
 
-def train_step(wrapped: parallel.Wrapped, optimizer, scheduler, examples: list[data.TokenizedSFT], pad_id: int,
-               cfg: SFTConfig) -> dict:
-    """One optimiser step over `examples` (this rank's block of the global batch), in
-    gradient_accumulation_steps micro-batches.
+def packed_loss_sum(model: torch.nn.Module, packed: models.PackedSequences) -> torch.Tensor:
+    """`completion_loss_sum` of packed rows (models/packed_sequences.py): the same sum, no padding run."""
+    logits, targets = models.packed_target_logits(model, packed)  # (N, V), (N,)
+    return F.cross_entropy(logits.float(), targets, reduction="sum")
 
-    The step's sequences are sorted by length before they are cut, so each micro-batch is
-    padded only to its own longest sequence; the loss is normalised over the whole step (every
-    rank's tokens), so the gradient is the one big batch's (on the built-in suite, 2 micro-batches
-    of 32 are 29 % padding instead of 46 % for one batch of 64; ~15 % faster steps on 2 CPU cores).
-    """
-    micro = math.ceil(len(examples) / cfg.gradient_accumulation_steps)
+
+def micro_batches(examples: list[data.TokenizedSFT], pad_id: int, parts: int,
+                  packing: bool) -> list[data.SFTBatch] | list[models.PackedSequences]:
+    """The step's sequences cut into `parts` micro-batches.
+
+    Packed: several sequences per row, rows no longer than the step's longest sequence, whole rows
+    per micro-batch. Padded: sorted by length before they are cut, so each micro-batch is padded only
+    to its own longest sequence (on the built-in suite 2 micro-batches of 32 are 29 % padding instead
+    of 46 % for one batch of 64; packed rows are ~8 %, and an SFT step ~25 % faster on 2 CPU cores)."""
+    if packing:
+        sequences = [(e.prompt_ids + e.completion_ids, len(e.prompt_ids)) for e in examples]
+        rows = models.fill_rows([len(ids) for ids, _ in sequences], max(len(ids) for ids, _ in sequences))
+        per = math.ceil(len(rows) / parts)
+        return [models.pack_rows(sequences, rows[i : i + per], pad_id) for i in range(0, len(rows), per)]
+    micro = math.ceil(len(examples) / parts)
     by_length = sorted(examples, key=lambda e: len(e.prompt_ids) + len(e.completion_ids))
-    chunks = [by_length[i : i + micro] for i in range(0, len(by_length), micro)]
-    batches = [data.collate_sft(chunk, pad_id) for chunk in chunks]
+    return [data.collate_sft(by_length[i : i + micro], pad_id) for i in range(0, len(by_length), micro)]
+
+
+def train_step(wrapped: parallel.Wrapped, optimizer, scheduler, examples: list[data.TokenizedSFT], pad_id: int,
+               cfg: SFTConfig, packing: bool = False) -> dict:
+    """One optimiser step over `examples` (this rank's block of the global batch), in
+    gradient_accumulation_steps micro-batches (`micro_batches`, packed or padded).
+
+    The loss is normalised over the whole step (every rank's tokens), so the gradient is the one
+    big batch's whatever the micro-batches and packing."""
+    batches = micro_batches(examples, pad_id, cfg.gradient_accumulation_steps, packing)
+    loss_fn = packed_loss_sum if packing else completion_loss_sum
     total_tokens = parallel.total(sum(b.num_label_tokens for b in batches), wrapped.world)  # the global count
     loss_sum = 0.0
     for i, batch in enumerate(batches):
         with wrapped.sync(i == len(batches) - 1):  # gradients cross ranks once, after the last micro-batch
-            loss = wrapped(completion_loss_sum, batch) / total_tokens
+            loss = wrapped(loss_fn, batch) / total_tokens
             wrapped.backward(loss)
         loss_sum += loss.item()
     loss_sum = parallel.total(loss_sum, wrapped.world)  # the global loss on every rank: all agree on a non-finite one
@@ -140,6 +159,20 @@ def train_step(wrapped: parallel.Wrapped, optimizer, scheduler, examples: list[d
                               cfg.nonfinite, "SFT")  # None: a non-finite update was dropped (nonfinite=skip)
     return {"loss/sft": loss_sum, "grad_norm": math.nan if grad_norm is None else grad_norm.item(),
             "tokens": total_tokens, "skipped": grad_norm is None}
+
+
+def use_packing(cfg: SFTConfig, model) -> bool:
+    """`cfg.packing` where the model allows it (`models.can_pack_sequences`); says so when it does not."""
+    if not cfg.packing:
+        return False
+    if parallel.holds_shards(model):  # the packed forward reads whole weights
+        log.info("SFT: FSDP2 shards the weights; sequences are padded, not packed")
+        return False
+    if models.can_pack_sequences(model):
+        return True
+    log.info("SFT: %s is not a Llama / Qwen2 layout without dropout; sequences are padded, not packed",
+             type(model).__name__)
+    return False
 
 
 @torch.no_grad()
@@ -215,6 +248,7 @@ def train(cfg: SFTConfig, run: RunDir | None = None) -> RunResult:
     sft_data = load_sft_data(cfg, tokenizer)
     world.check_same(sft_data.train, "the tokenised SFT training data")
     wrapped = parallel.wrap_model(model, world, cfg.parallel_strategy)
+    packing = use_packing(cfg, wrapped.model)
     run, resumed = open_run(cfg, "sft", wrapped.layout) if run is None else (run, None)
     order_rng = random.Random(cfg.seed)
     optimizer = make_optimizer(wrapped.model.parameters(), cfg)
@@ -242,7 +276,7 @@ def train(cfg: SFTConfig, run: RunDir | None = None) -> RunResult:
             # 4. one optimiser step with completion-only loss (a non-finite one stops the run or is dropped)
             batch = [sft_data.train[i] for i in parallel.take(batch_ids, parallel.share_of(len(batch_ids), world))]
             stats, skipped = guarded_step(
-                lambda: train_step(wrapped, optimizer, scheduler, batch, tokenizer.pad_token_id, cfg),
+                lambda: train_step(wrapped, optimizer, scheduler, batch, tokenizer.pad_token_id, cfg, packing),
                 f"SFT step {step}", f"train examples {batch_ids}", skipped, cfg.nonfinite)
             if step % cfg.log_every == 0 or step == cfg.max_steps:
                 run.log({**stats, "lr": scheduler.get_last_lr()[0], "elapsed_s": time.time() - started}, step=step)
@@ -270,6 +304,7 @@ def train(cfg: SFTConfig, run: RunDir | None = None) -> RunResult:
         model_dir=str(model_dir),
         nonfinite={"mode": cfg.nonfinite, "skipped_updates": skipped},
         parallel={**wrapped.layout.describe(), **world.describe()},
+        packing=packing,
     )
     run.close()
     return RunResult(run.path, summary, model_dir)
