@@ -38,7 +38,7 @@ from rlhflab.config import (
     write_config,
 )
 from rlhflab.eval import RunMonitor, answer_and_check, eval_prompts, table_from_rows
-from rlhflab.eval.pass_rate import paired_versus
+from rlhflab.eval.pass_rate import paired_versus, paired_versus_by_family
 from rlhflab.eval.rm_diagnosis import diagnose
 from rlhflab.errors import UserInputError
 from rlhflab.tracking import RunDir, RunResult, default_run_path
@@ -209,8 +209,8 @@ def run_demo(cfg: DemoConfig) -> RunResult:
         rm_scores = mean_rm_scores(rm_result.model_dir, answers, cfg)
 
     tables = {name: table_from_rows(rows) for name, rows in answers.items()}
-    verdict = [line for name in list(tables)[1:] for line in headroom_verdict(  # each RL stage's gain over SFT
-        headroom, tables["sft"]["per_family"], tables[name]["per_family"], name)] if headroom else []
+    verdict = [line for name, changes in paired_versus_by_family(answers, "sft").items()  # each RL stage vs SFT
+               for line in headroom_verdict(headroom, changes, name)] if headroom else []
     walls["total"] = time.time() - started
     summary = run.update_summary(
         stage="demo",

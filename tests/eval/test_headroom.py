@@ -19,6 +19,7 @@ from rlhflab.trainers import ppo
 from rlhflab.trainers.headroom import (family_headroom, format_headroom, headroom_verdict, headroom_words, pass_at_k,
                                        probe_from_verdicts, probe_headroom)
 from rlhflab import models
+from rlhflab.intervals import paired_difference
 
 ZERO_WORDS = "RL from this model cannot be expected to help here; improve SFT or the data"
 
@@ -113,17 +114,24 @@ def test_verdict_reads_each_familys_gain_against_its_headroom():
         "uppercase": {"samples_per_prompt": 8, "pass_at_k": 1.0, "greedy_pass_at_1": 1.0, "status": "ceiling"},
         "comma_list": {"samples_per_prompt": 8, "pass_at_k": 0.0, "greedy_pass_at_1": 0.0, "status": "none"},
     }}
-    before = {"sum_result": 0.0, "yes_no": 0.1, "lowercase": 0.3, "uppercase": 1.0, "comma_list": 0.0}
-    after = {"sum_result": 0.0, "yes_no": 0.15, "lowercase": 0.8, "uppercase": 1.0, "comma_list": 0.3}
-    lines = headroom_verdict(probe, before, after, "ppo")
+    # (before, after, fixed, broken) of 30 test prompts per family; e.g. 15 fixed / 0 broken: Agresti-Min centre
+    # 15 / 32, half-width 1.96 sqrt(16 - 15² / 32) / 32 = .1834 -> [+28.5, +65.2]
+    counts = {"sum_result": (0.0, 0.0, 0, 0), "yes_no": (0.1, 0.2, 4, 1), "lowercase": (0.3, 0.8, 15, 0),
+              "uppercase": (1.0, 1.0, 0, 0), "comma_list": (0.0, 0.3, 9, 0)}
+    changes = {f: {"before": b, "after": a, **paired_difference(fixed, broken, 30).as_difference()}
+               for f, (b, a, fixed, broken) in counts.items()}
+    lines = headroom_verdict(probe, changes, "ppo")
     assert lines == [  # the surprises first, one line each; then one line per expected kind
-        "ppo: yes_no had headroom (pass@8 40%, greedy 10%) but did not move (10% → 15%) — look at the reward",
-        "ppo: comma_list 0% → 30% although its pass@8 was 0% — passes the probe did not see (probe more prompts or "
-        "samples)",
-        "ppo: moved where there was headroom: lowercase 30% → 80% (pass@8 90%)",
-        "ppo: did not move, as expected: nothing to reinforce: sum_result 0% → 0% (pass@8 0%)",
-        "ppo: did not move, already passing: little left to gain: uppercase 100% → 100% (greedy 100%)",
+        "ppo: yes_no had headroom (pass@8 40%, greedy 10%) but did not move beyond noise: yes_no 10% → 20% "
+        "(+10.0 pts [-5.3, +24.0]) — look at the reward, or evaluate on more prompts",
+        "ppo: comma_list 0% → 30% (+30.0 pts [+11.4, +44.9]) although its pass@8 was 0% — passes the probe did not "
+        "see (probe more prompts or samples)",
+        "ppo: moved beyond noise where there was headroom: lowercase 30% → 80% (+50.0 pts [+28.5, +65.2]), pass@8 90%",
+        "ppo: did not move, as expected: nothing to reinforce: sum_result 0% → 0% (+0.0 pts [-6.1, +6.1]), pass@8 0%",
+        "ppo: did not move, already passing: little left to gain: uppercase 100% → 100% (+0.0 pts [-6.1, +6.1]), "
+        "greedy 100%",
     ]
+    assert headroom_verdict(probe, {}, "ppo") == []  # no per-family changes: nothing to say
 
 
 # --- the probe on a tiny model ---------------------------------------------------------------------------------------
@@ -214,3 +222,13 @@ def test_eval_command_probes_the_validation_split(policy_dir, tmp_path, capsys):
     assert json.loads((out / "headroom.json").read_text()) == summary["headroom"]
     assert main(["eval", "--model", policy_dir, "--samples_per_prompt", "0", "--out", str(tmp_path / "bad")]) == 2
     assert "samples_per_prompt must be >= 1" in capsys.readouterr().err
+
+
+def test_online_probe_fields_are_checked_before_loading(tmp_path):
+    from rlhflab.config import PPOConfig
+    from rlhflab.errors import UserInputError
+    from rlhflab.trainers.online.setup import check_online_config
+
+    for field in ("headroom_prompts", "headroom_samples"):
+        with pytest.raises(UserInputError, match=f"{field} must be >= 0"):
+            check_online_config(PPOConfig(model=str(tmp_path), **{field: -5}))

@@ -91,6 +91,23 @@ def paired_versus(answers: dict[str, list[dict]], base: str) -> dict[str, dict]:
             if name != base}
 
 
+def paired_versus_by_family(answers: dict[str, list[dict]], base: str) -> dict[str, dict[str, dict]]:
+    """`paired_versus` within each family: {model: {family: {before, after, fixed, broken, p_value, difference,
+    low, high, n}}}, the rows of `answers` carrying their `family` (the demo's headroom verdict reads it)."""
+    out: dict[str, dict[str, dict]] = {}
+    for name, rows in answers.items():
+        if name == base:
+            continue
+        families: dict[str, tuple[list[bool], list[bool]]] = {}
+        for was, now in zip(answers[base], rows):
+            before, after = families.setdefault(was["family"], ([], []))
+            before.append(bool(was["passed"]))
+            after.append(bool(now["passed"]))
+        out[name] = {family: {"before": sum(b) / len(b), "after": sum(a) / len(a), **paired_counts(b, a)}
+                     for family, (b, a) in families.items()}
+    return out
+
+
 def describe_versus(versus: dict[str, dict], base: str, n_prompts: int) -> list[str]:
     """'ppo vs sft: +37.0 pts [+31.2, +42.5], better (paired over 300 test prompts: 120 fixed, 9 broken)'."""
     lines = []

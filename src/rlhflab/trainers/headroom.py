@@ -32,6 +32,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 from rlhflab.data.prompt_rows import PromptRow
+from rlhflab.errors import UserInputError
+from rlhflab.intervals import BETTER, difference_from_dict, points, verdict
 from rlhflab.rewards import Verifier
 from rlhflab.rollout import GenerationSettings, generate_answers
 from rlhflab.tracking import RunDir
@@ -42,7 +44,6 @@ log = logging.getLogger("rlhflab")
 MIN_PASS_AT_K = 0.02  # below this pass@k a family has no headroom ("~0")
 MIN_PROMPTS_WITH_PASS = 2  # ... nor with fewer prompts than this having any passing sample
 CEILING = 0.9  # greedy pass@1 at or above this: the family already passes, little left to gain
-MIN_GAIN = 0.10  # the demo's verdict: a family "moved" when its test pass rate rose by at least this
 FILE = "headroom.json"  # where a run folder keeps the probe of its starting model (report/headroom.py reads it)
 
 
@@ -184,34 +185,48 @@ def format_headroom(probe: dict) -> str:
     return "\n".join(lines)
 
 
-def headroom_verdict(probe: dict, before: dict[str, float], after: dict[str, float], stage: str) -> list[str]:
-    """Each family's gain from `before` to `after` (e.g. test pass rates of SFT and of a PPO stage) read
-    against its headroom: a family with nothing to reinforce is expected not to move; one with headroom
-    that did not move points at the reward. "Moved" is a rise of at least MIN_GAIN: a coarse reading,
-    not a significance test. The surprises come first, one line each; the expected cases one line per kind."""
+def headroom_verdict(probe: dict, changes: dict[str, dict], stage: str) -> list[str]:
+    """Each family's change (e.g. SFT -> a PPO stage on the test prompts) read against its headroom.
+
+    `changes[family]`: `before` / `after` pass rates and the paired interval of the difference
+    (`rlhflab.intervals.paired_counts`: difference, low, high). A family "moved" only when that interval
+    lies above 0 — the one rule every comparison uses. A family with nothing to reinforce is expected
+    not to move; one with headroom whose change is within noise points at the reward (or at too few
+    prompts). The surprises come first, one line each; the expected cases one line per kind."""
     surprises: list[str] = []
     grouped: dict[str, list[str]] = {"moved": [], "none": [], "ceiling": []}
     for family, h in probe["per_family"].items():
-        if family not in before or family not in after:
+        found = changes.get(family)
+        diff = difference_from_dict(found)
+        if diff is None:
             continue
-        b, a, k = before[family], after[family], h["samples_per_prompt"]
-        moved, change = a - b >= MIN_GAIN, f"{family} {b:.0%} → {a:.0%}"
+        k, moved = h["samples_per_prompt"], verdict(diff) == BETTER
+        change = f"{family} {found['before']:.0%} → {found['after']:.0%} ({points(diff)})"
         if h["status"] == "none" and moved:
             surprises.append(f"{stage}: {change} although its pass@{k} was {h['pass_at_k']:.0%} — passes the probe "
                              "did not see (probe more prompts or samples)")
         elif h["status"] == "room" and not moved:
             surprises.append(f"{stage}: {family} had headroom (pass@{k} {h['pass_at_k']:.0%}, greedy "
-                             f"{h['greedy_pass_at_1']:.0%}) but did not move ({b:.0%} → {a:.0%}) — look at the reward")
+                             f"{h['greedy_pass_at_1']:.0%}) but did not move beyond noise: {change} — look at the "
+                             "reward, or evaluate on more prompts")
         elif moved:
-            grouped["moved"].append(f"{change} (pass@{k} {h['pass_at_k']:.0%})")
+            grouped["moved"].append(f"{change}, pass@{k} {h['pass_at_k']:.0%}")
         elif h["status"] == "none":
-            grouped["none"].append(f"{change} (pass@{k} {h['pass_at_k']:.0%})")
+            grouped["none"].append(f"{change}, pass@{k} {h['pass_at_k']:.0%}")
         else:
-            grouped["ceiling"].append(f"{change} (greedy {h['greedy_pass_at_1']:.0%})")
-    heads = {"moved": "moved where there was headroom",
+            grouped["ceiling"].append(f"{change}, greedy {h['greedy_pass_at_1']:.0%}")
+    heads = {"moved": "moved beyond noise where there was headroom",
              "none": "did not move, as expected: nothing to reinforce",
              "ceiling": "did not move, already passing: little left to gain"}
-    return surprises + [f"{stage}: {heads[kind]}: {', '.join(parts)}" for kind, parts in grouped.items() if parts]
+    return surprises + [f"{stage}: {heads[kind]}: {'; '.join(parts)}" for kind, parts in grouped.items() if parts]
+
+
+def check_probe_fields(cfg) -> None:
+    """The online configs' probe fields, refused before anything loads (a negative count would slice from the end)."""
+    for name in ("headroom_samples", "headroom_prompts"):
+        if getattr(cfg, name) < 0:
+            raise UserInputError(f"{name} must be >= 0, got {getattr(cfg, name)}", f"--{name}",
+                                 "headroom_samples 0 turns the probe off; headroom_prompts 0 probes the eval_prompts ones")
 
 
 def record_start_headroom(policy, tokenizer, validation: Sequence[PromptRow], verifier: Verifier | None, cfg,
@@ -224,7 +239,11 @@ def record_start_headroom(policy, tokenizer, validation: Sequence[PromptRow], ve
     if verifier is None:
         log.info("headroom probe skipped: no verifier says which answers pass (pass --verifier)")
         return None
-    rows = validation[: cfg.headroom_prompts or cfg.eval_prompts]
+    count = cfg.headroom_prompts or cfg.eval_prompts
+    if count <= 0:
+        log.info("headroom probe skipped: no validation prompts (eval_prompts 0; set --headroom_prompts N to probe)")
+        return None
+    rows = validation[:count]
     probe = probe_headroom(policy, tokenizer, rows, verifier, samples_per_prompt=cfg.headroom_samples,
                            temperature=cfg.temperature, max_new_tokens=cfg.response_length,
                            batch_size=cfg.eval_batch_size, seed=cfg.seed)

@@ -15,6 +15,7 @@ from rlhflab.rollout.roles import PolicyRoles
 from rlhflab.data.prompt_rows import PromptRow
 from rlhflab.sources import PromptSplits
 from rlhflab.models.precision import float32_for_training
+from rlhflab.trainers.headroom import check_probe_fields
 from rlhflab.trainers.setup import resolve_device
 
 log = logging.getLogger("rlhflab")
@@ -27,6 +28,7 @@ def check_online_config(cfg: OnlineFields, epochs: int = 1, group: int = 1) -> N
     if not cfg.model:
         raise UserInputError("no policy given", "--model", "pass the SFT model folder, e.g. runs/demo-.../sft/model")
     check_backend(cfg)
+    check_probe_fields(cfg)
     positive = {"batch_size": cfg.batch_size, "num_mini_batches": cfg.num_mini_batches,
                 "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
                 "response_length": cfg.response_length, "temperature": cfg.temperature}
