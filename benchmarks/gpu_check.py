@@ -139,7 +139,8 @@ def training_flops(shape: Shape, rows: int, prompt: int, response: int, passes: 
     Forward per token: 2 x the trunk's linear weights (q, k, v, o, gate, up, down), 2 x 2 x L x hidden per
     layer for attention scores and values (L = prompt + response, causal half not subtracted), and the LM head
     (2 x hidden x vocab) on the response positions only, where the training forward runs it. Backward:
-    gradients of the activations cost the forward again; gradients of the weights the linear part again,
+    gradients of the activations cost the linear forward again and attention's twice (it has no weights:
+    dQ, dK, dP and dV are four matmuls against its two); gradients of the weights the linear part again,
     except for frozen weights (LoRA: the adapters' own FLOPs, r x (in + out) per adapted matrix, are < 1 %
     and left out). GRPO's shared-prompt forward computes less than this; the figure stays the model's."""
     length = prompt + response
@@ -150,7 +151,7 @@ def training_flops(shape: Shape, rows: int, prompt: int, response: int, passes: 
     linear = rows * (2 * trunk * length + 2 * head * (response + 1))
     attention = rows * length * shape.layers * 4 * length * shape.hidden
     weight_grads = 0 if lora else linear
-    return passes * (2 * (linear + attention) + weight_grads)
+    return passes * (2 * linear + 3 * attention + weight_grads)
 
 
 def matmul_peak(device: str, dtype: str) -> float:

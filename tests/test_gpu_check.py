@@ -21,14 +21,15 @@ def test_training_flops_hand_worked_and_counting_every_matmul_weight_of_qwen25_0
     check = load_script()
     shape = check.Shape(hidden=4, layers=1, heads=2, kv_heads=1, intermediate=8, vocab=10)
     # trunk weights 2*16 (q, o) + 2*4*2 (k, v) + 3*32 (MLP) = 144; head 40; linear forward 2*144*2 + 2*40*2 = 736;
-    # attention 2 tokens * 4 * 2 * 4 = 64; full: 2 * (736 + 64) + 736 weight gradients; LoRA: no weight gradients
-    assert check.training_flops(shape, rows=1, prompt=1, response=1, passes=1, lora=False) == 2336
-    assert check.training_flops(shape, rows=1, prompt=1, response=1, passes=3, lora=True) == 3 * 1600
+    # attention 2 tokens * 4 * 2 * 4 = 64, its backward twice that (dQ, dK, dP, dV); full: 2 * 736 + 3 * 64 + 736
+    # weight gradients; LoRA: no weight gradients
+    assert check.training_flops(shape, rows=1, prompt=1, response=1, passes=1, lora=False) == 2400
+    assert check.training_flops(shape, rows=1, prompt=1, response=1, passes=3, lora=True) == 3 * 1664
     # Qwen2.5-0.5B has 494,032,768 parameters: 43,904 in norms and 27,648 in q/k/v biases, the rest matmul weights
     q = check.QWEN25_05B
-    forward = check.training_flops(q, rows=1, prompt=0, response=1, passes=1, lora=True) / 2  # LoRA: 2 x forward
     head, attention = q.hidden * q.vocab, q.layers * 4 * q.hidden  # one token; the head runs on 2 positions
-    trunk_and_head = (forward - attention - 2 * 2 * head) / 2 + head
+    linear = (check.training_flops(q, rows=1, prompt=0, response=1, passes=1, lora=True) - 3 * attention) / 2
+    trunk_and_head = (linear - 2 * 2 * head) / 2 + head
     assert trunk_and_head == 494_032_768 - 43_904 - 27_648
 
 
