@@ -109,7 +109,7 @@ def paired_versus_by_family(answers: dict[str, list[dict]], base: str) -> dict[s
 
 
 def describe_versus(versus: dict[str, dict], base: str, n_prompts: int) -> list[str]:
-    """'ppo vs sft: +37.0 pts [+31.2, +42.5], better (paired over 300 test prompts: 120 fixed, 9 broken)'."""
+    """'ppo vs sft: +37.0 pts [+30.6, +42.9], better (paired over 300 test prompts: 120 fixed, 9 broken)'."""
     lines = []
     for name, counts in versus.items():
         diff = difference_from_dict(counts)
