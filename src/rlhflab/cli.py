@@ -26,7 +26,7 @@ import logging  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from rlhflab.config import STAGES, parse_config  # noqa: E402
+from rlhflab.config import STAGES, field_names, parse_config  # noqa: E402
 from rlhflab.errors import Interrupted, UserInputError  # noqa: E402 (torch-free: `--help` stays fast)
 
 USAGE = """usage: rlhflab <stage> [--config FILE.yaml] [--field value ...]
@@ -333,10 +333,23 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
+def refuse_single_process_stage_in_a_launch(stage: str) -> None:
+    """Under torchrun / accelerate launch with several processes, only stages built for it may run: any other
+    would run once per process, each writing the same run folder."""
+    world_size = launched_rank()[1]
+    if world_size > 1 and not (stage in STAGES and "parallel_strategy" in field_names(STAGES[stage])):
+        able = sorted(name for name, cls in STAGES.items() if "parallel_strategy" in field_names(cls))
+        raise UserInputError(f"rlhflab {stage} runs in one process, but this launch started {world_size} "
+                             f"(WORLD_SIZE={world_size})", f"rlhflab {stage}",
+                             f"run it without torchrun / accelerate launch; these stages run multi-process: "
+                             f"{', '.join(able)}")
+
+
 def run_command(argv: list[str], name: str) -> int:
     """The stage's command; a user mistake, a non-finite stop or a signal becomes a message and an exit code."""
     try:
         stage, rest = split_stage(argv)
+        refuse_single_process_stage_in_a_launch(stage)
         if stage == "sweep":  # not one config: a stage's config plus --stage / --vary
             return run_sweep(rest)
         if stage == "compare":  # one config plus a section per method in --config

@@ -227,3 +227,15 @@ def test_demo_refuses_a_bad_later_stage_config_before_training(tmp_path, capsys)
     rm_bad.write_text("num_epoch: 2\n")
     assert main(["demo", "--out", str(tmp_path / "run2"), *TINY_DEMO, "--rm_config", str(rm_bad)]) == 2
     assert "did you mean 'num_epochs'" in capsys.readouterr().err
+
+
+def test_a_stage_without_multi_process_support_is_refused_under_a_launch(monkeypatch, capsys):
+    """Under torchrun with 2 processes, `rlhflab eval` (one process only) would run twice into one folder."""
+    from rlhflab import cli
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    assert cli.main(["eval", "--model", "nowhere"]) == 2
+    err = capsys.readouterr().err
+    assert "rlhflab eval runs in one process, but this launch started 2 (WORLD_SIZE=2)" in err
+    assert "sft" in err and "dpo" in err  # the stages that do run multi-process are named
