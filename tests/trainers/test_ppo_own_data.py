@@ -15,7 +15,8 @@ from rlhflab.data.prompt_rows import PromptRow
 from rlhflab.errors import UserInputError
 from rlhflab.report import write_report
 from rlhflab.trainers import ppo
-from rlhflab.trainers.online.loop import sampling_seed, scored_batch
+from rlhflab.trainers.online.loop import scored_batch
+from rlhflab.trainers.online.ranks import rollout_seed
 
 USER_REWARDS = '''
 CALLS = []
@@ -241,9 +242,9 @@ def test_token_sampling_and_prompt_order_have_different_seeds(policy_dir, tmp_pa
     cfg = tiny_cfg(policy_dir, total_episodes=8, eval_every=0, num_train_prompts=22, num_validation_prompts=11,
                    num_test_prompts=11, seed=3, output_dir=str(tmp_path / "run"))
     ppo.train(cfg, reward_fn=lambda p, r, rows: [0.0] * len(r))
-    assert 3 in seeds and sampling_seed(3) in seeds and sampling_seed(3) != 3
+    assert 3 in seeds and rollout_seed(3, 1) in seeds and rollout_seed(3, 1) != 3
     order = torch.randperm(50, generator=torch.Generator().manual_seed(3))
-    tokens = torch.randperm(50, generator=torch.Generator().manual_seed(sampling_seed(3)))
+    tokens = torch.randperm(50, generator=torch.Generator().manual_seed(rollout_seed(3, 1)))
     assert not torch.equal(order, tokens)
 
 

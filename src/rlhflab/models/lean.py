@@ -115,6 +115,9 @@ class LeanPlan:
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    # the embedding's padding row (nn.Embedding padding_idx): looking it up gives it no gradient, as in the
+    # model's own forward (a sampled pad token is an ordinary input, but its row must not learn from it)
+    padding_idx: int | None = None
 
 
 def rope_kind(config) -> str:
@@ -174,7 +177,7 @@ def plan_lean(model: nn.Module, allow_training: bool = False) -> LeanPlan | None
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     lm_head = _linear(base.lm_head) if isinstance(getattr(base, "lm_head", None), nn.Module) else None
     return LeanPlan(inner.embed_tokens.weight, layers, _norm(inner.norm), lm_head, inner.rotary_emb,
-                    config.num_attention_heads, config.num_key_value_heads, head_dim)
+                    config.num_attention_heads, config.num_key_value_heads, head_dim, inner.embed_tokens.padding_idx)
 
 
 def plan_lean_decode(model: nn.Module) -> LeanPlan | None:
@@ -220,7 +223,7 @@ def lean_hidden(plan: LeanPlan, input_ids: Tensor, attention_mask: Tensor | None
     heads, kv_heads, dim = plan.num_heads, plan.num_kv_heads, plan.head_dim
     allowed = (causal_allowed(attention_mask) if allowed is None else allowed).unsqueeze(1)  # (B, 1, L, L)
     cos, sin = rotary_tables(plan, position_ids)
-    h = F.embedding(input_ids, plan.embed)
+    h = F.embedding(input_ids, plan.embed, padding_idx=plan.padding_idx)
     for i, layer in enumerate(plan.layers):
         x = layer.input_norm(h)
         q = _rope(layer.q(x).view(batch, length, heads, dim).transpose(1, 2), cos, sin)

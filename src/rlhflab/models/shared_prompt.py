@@ -62,7 +62,8 @@ def _chunks(plan: LeanPlan, query_mask: Tensor, response_ids: Tensor, response_m
         # an answer token reads its prompt's real tokens and the real answer tokens up to itself
         allowed = torch.cat([prompt_mask.bool()[:, None, :].expand(len(rows), t, prompt_mask.shape[1]),
                              causal_allowed(mask)], dim=2).unsqueeze(1)
-        chunks.append(_Chunk(rows, inverse[rows], ids, allowed, cos, sin, F.embedding(ids, plan.embed)))
+        embedded = F.embedding(ids, plan.embed, padding_idx=plan.padding_idx)
+        chunks.append(_Chunk(rows, inverse[rows], ids, allowed, cos, sin, embedded))
     return chunks
 
 
@@ -83,7 +84,7 @@ def shared_prompt_logits(plan: LeanPlan, query_ids: Tensor, query_mask: Tensor, 
     prompt_allowed = causal_allowed(prompt_mask).unsqueeze(1)  # (N, 1, P, P)
     chunks = _chunks(plan, query_mask, response_ids, response_mask, inverse, max(1, min(4, batch // 8)))
     gqa = heads != kv_heads
-    h_prompt = F.embedding(prompt_ids, plan.embed)
+    h_prompt = F.embedding(prompt_ids, plan.embed, padding_idx=plan.padding_idx)
     for layer in plan.layers:
         x = layer.input_norm(h_prompt)
         q = _rope(layer.q(x).view(n, p, heads, dim).transpose(1, 2), prompt_cos, prompt_sin)

@@ -18,9 +18,10 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 _TRAINABLE = StateDictOptions(ignore_frozen_params=True)
 
 
-def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The whole state dict, on the CPU of rank 0 (other ranks get {}): the shards all-gathered."""
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+def full_model_state(model: nn.Module, every_rank: bool = False) -> dict[str, torch.Tensor]:
+    """The whole state dict, on the CPU of rank 0 (other ranks get {}): the shards all-gathered.
+    `every_rank`: on every rank, on the model's device (e.g. for every rank to generate from)."""
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=not every_rank))
 
 
 def save_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, folder: Path) -> None:

@@ -148,16 +148,17 @@ class Wrapped:
             yield
 
     @contextlib.contextmanager
-    def gathered(self) -> Iterator[nn.Module | None]:
+    def gathered(self, all_ranks: bool = False) -> Iterator[nn.Module | None]:
         """Rank 0: a plain (unwrapped, whole-weight) model holding the current weights; other ranks: None.
-        Every rank must enter it (FSDP2 gathers the shards here)."""
+        Every rank must enter it (FSDP2 gathers the shards here). `all_ranks`: every rank gets one (FSDP2:
+        only when wrapped with `plain_on_every_rank`), e.g. for every rank to generate from."""
         if self.strategy != "fsdp2":
-            yield self.model if self.world.is_main else None
+            yield self.model if self.world.is_main or all_ranks else None
             return
         from rlhflab.parallel.state import full_model_state
 
-        full = full_model_state(self.model)  # collective; the whole state on rank 0 only
-        if self._plain is None:
+        full = full_model_state(self.model, every_rank=all_ranks)  # collective; whole on rank 0 (or on every rank)
+        if self._plain is None or not (self.world.is_main or all_ranks):
             yield None
             return
         self._plain.load_state_dict(full)
@@ -172,11 +173,12 @@ def _broadcast_parameters(model: nn.Module) -> None:
             dist.broadcast(tensor, src=0)
 
 
-def _fsdp2(model: nn.Module, world: World, keep_plain: bool) -> tuple[nn.Module, nn.Module | None]:
+def _fsdp2(model: nn.Module, world: World, keep_plain: bool,
+           every_rank: bool = False) -> tuple[nn.Module, nn.Module | None]:
     from torch.distributed.fsdp import fully_shard
 
     _broadcast_parameters(model)
-    plain = copy.deepcopy(model) if keep_plain and world.is_main else None
+    plain = copy.deepcopy(model) if keep_plain and (world.is_main or every_rank) else None
     for layer in decoder_layers(model):
         fully_shard(layer)
     engine = _Forward(model)
@@ -199,16 +201,18 @@ def require_deepspeed() -> None:
                              "of weights, gradients and optimiser state, ZeRO-3's equivalent")
 
 
-def wrap_model(model: nn.Module, world: World, strategy: str = "auto") -> Wrapped:
+def wrap_model(model: nn.Module, world: World, strategy: str = "auto",
+               plain_on_every_rank: bool = False) -> Wrapped:
     """`model` (already on `world.device`, LoRA applied) wrapped for training by `strategy`; build the
-    optimiser afterwards, on `wrapped.model.parameters()`."""
+    optimiser afterwards, on `wrapped.model.parameters()`. `plain_on_every_rank` (FSDP2): every rank keeps a
+    whole-weight copy for `gathered(all_ranks=True)` (the online loop generates on every rank)."""
     layout = Layout(resolve_strategy(strategy, world), world)
     if layout.strategy == "none":
         return Wrapped(model, _Forward(model), layout)
     if layout.strategy == "ddp":
         return Wrapped(model, _ddp(model, world), layout)
     if layout.strategy == "fsdp2":
-        engine, plain = _fsdp2(model, world, keep_plain=True)
+        engine, plain = _fsdp2(model, world, keep_plain=True, every_rank=plain_on_every_rank)
         return Wrapped(model, engine, layout, plain)
     require_deepspeed()
     raise UserInputError("parallel_strategy deepspeed is not wired into the offline trainers yet", "--parallel_strategy",

@@ -28,7 +28,7 @@ from torch import Tensor
 
 from rlhflab.data import left_pad
 from rlhflab.errors import UserInputError
-from rlhflab.rollout.generate import Generated, GenerationSettings, generate, response_mask_after_eos
+from rlhflab.rollout.generate import BatchPlace, Generated, GenerationSettings, generate, response_mask_after_eos
 
 
 class GenerationBackend(Protocol):
@@ -37,7 +37,8 @@ class GenerationBackend(Protocol):
     name: str
 
     def generate(self, model: torch.nn.Module, prompts: list[list[int]], *, pad_id: int, eos_id: int,
-                 settings: GenerationSettings, generator: torch.Generator | None = None) -> Generated: ...
+                 settings: GenerationSettings, generator: torch.Generator | None = None,
+                 place: BatchPlace | None = None) -> Generated: ...
 
 
 @dataclass(frozen=True)
@@ -48,9 +49,9 @@ class DecoderBackend:
     name: str
     lean: bool
 
-    def generate(self, model, prompts, *, pad_id, eos_id, settings, generator=None) -> Generated:
+    def generate(self, model, prompts, *, pad_id, eos_id, settings, generator=None, place=None) -> Generated:
         return generate(model, prompts, pad_id=pad_id, eos_id=eos_id, settings=settings, generator=generator,
-                        lean=self.lean)
+                        lean=self.lean, place=place)
 
 
 LEAN = DecoderBackend("lean", lean=True)
@@ -69,10 +70,12 @@ def backend_of(model: torch.nn.Module) -> GenerationBackend:
 
 
 def generate_with(model: torch.nn.Module, prompts: list[list[int]], *, pad_id: int, eos_id: int,
-                  settings: GenerationSettings, generator: torch.Generator | None = None) -> Generated:
-    """Sample a response for every prompt with the backend bound to `model` (`lean` when none is)."""
+                  settings: GenerationSettings, generator: torch.Generator | None = None,
+                  place: BatchPlace | None = None) -> Generated:
+    """Sample a response for every prompt with the backend bound to `model` (`lean` when none is); `place`:
+    the prompts are one process's part of a global batch (rollout.generate.BatchPlace)."""
     return backend_of(model).generate(model, prompts, pad_id=pad_id, eos_id=eos_id, settings=settings,
-                                      generator=generator)
+                                      generator=generator, **({"place": place} if place is not None else {}))
 
 
 # --- from a config ------------------------------------------------------------------------

@@ -30,6 +30,18 @@ class GenerationSettings:
 
 
 @dataclass(frozen=True)
+class BatchPlace:
+    """Where one process's rows sit in a global batch that several processes decode (README "Multi-process
+    training"): rows `first` .. `first + B - 1` of `total`, prompts left-padded to `prompt_width` (the global
+    batch's longest). Every decoding step draws the sampling noise of all `total` rows and keeps its own, so
+    a row's tokens depend on its place in the global batch and the generator, not on the process decoding it."""
+
+    first: int
+    total: int
+    prompt_width: int = 0
+
+
+@dataclass(frozen=True)
 class Generated:
     query_ids: Tensor  # (B, P) left-padded prompt tokens
     query_mask: Tensor  # (B, P) bool, True on real prompt tokens
@@ -57,8 +69,9 @@ def next_tokens(logits: Tensor, settings: GenerationSettings, generator: torch.G
                 rows: Tensor | None = None, batch: int = 0) -> Tensor:
     """Pick one token per row from last-position logits (B, V) -> (B,).
 
-    `rows`: which rows of a `batch`-row decoding the logits belong to (finished rows were dropped): the
-    sampling noise is still drawn for all `batch` rows, so a row's tokens do not depend on which others run."""
+    `rows`: which rows of a `batch`-row decoding the logits belong to (finished rows were dropped, or the
+    decoding is one process's part of a global batch): the sampling noise is still drawn for all `batch`
+    rows, so a row's tokens do not depend on which others run."""
     if not settings.do_sample:
         return logits.argmax(dim=-1)
     logits = filter_logits(logits.float() / settings.temperature, settings.top_k, settings.top_p)
@@ -96,15 +109,22 @@ def generate(
     settings: GenerationSettings,
     generator: torch.Generator | None = None,
     lean: bool = True,
+    place: BatchPlace | None = None,
 ) -> Generated:
     """Sample (or greedily decode) a response for every prompt, with a KV cache.
 
     `lean`: run Llama-layout models through `models.lean.LeanDecoder` (same weights and math,
     less per-step overhead); other models always use their own forward.
+    `place`: these prompts are part of a larger global batch (see BatchPlace); None = they are the batch.
     """
     device = next(model.parameters()).device
     query_ids, query_mask = (t.to(device) for t in left_pad(prompts, pad_id))
     batch = query_ids.shape[0]
+    if place is not None and place.prompt_width > query_ids.shape[1]:  # the global batch's padding, to the column
+        extra = place.prompt_width - query_ids.shape[1]
+        query_ids = torch.cat([query_ids.new_full((batch, extra), pad_id), query_ids], dim=1)
+        query_mask = torch.cat([query_mask.new_zeros((batch, extra)), query_mask], dim=1)
+    noise_first, noise_rows = (place.first, place.total) if place is not None else (0, batch)
     attention = query_mask.long()
     positions = position_ids_from_mask(attention)
     logits, step, select_rows = prefill(model, query_ids, query_mask, positions, settings.max_new_tokens, lean)
@@ -112,7 +132,8 @@ def generate(
     live = torch.arange(batch, device=device)  # the rows `logits` and `step` still decode
     tokens: list[Tensor] = []
     for _ in range(settings.max_new_tokens):
-        token = next_tokens(logits, settings, generator, live, batch).masked_fill(finished[live], pad_id)
+        rows = live + noise_first if noise_first else live
+        token = next_tokens(logits, settings, generator, rows, noise_rows).masked_fill(finished[live], pad_id)
         tokens.append(torch.full((batch,), pad_id, dtype=token.dtype, device=device).index_copy_(0, live, token))
         finished[live] |= token == eos_id
         if bool(finished.all()):

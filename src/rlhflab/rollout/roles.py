@@ -14,12 +14,16 @@ base, which is also the reference and the value adapter's trunk); adapters, head
 model train in float32; log-probs are taken in float32, values in the head's float32.
 Alignment: values[:, t] = V(prompt + response[:t]), read at the position whose input is the last
 token before response token t, like the logits that predict it (tests/trainers/test_ppo_bf16.py).
+Several processes (trainers/online/ranks.py): the forwards of the trained modules and of the reference
+run through their engine (DDP, FSDP2: `engines`), and sampling may use another copy of the policy's
+weights (FSDP2 holds shards: `generation_policy`).
 """
 
 from __future__ import annotations
 
-from contextlib import nullcontext
-from typing import Callable
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from typing import Callable, ContextManager, Iterator, TypeVar
 
 import torch
 from torch import Tensor
@@ -27,6 +31,24 @@ from torch import Tensor
 from rlhflab import models
 from rlhflab.core.logprobs import selective_log_softmax
 from rlhflab.data import position_ids_from_mask
+
+
+T = TypeVar("T")
+
+
+def as_is(forward: Callable[[], T]) -> T:
+    """One process: a forward runs as it is."""
+    return forward()
+
+
+@dataclass(frozen=True)
+class Engines:
+    """How the roles' forwards run: `trained(fn)` / `reference(fn)` return fn() run as a forward of the engine
+    that holds the trained modules (policy, value) / the frozen reference (DDP's gradient hooks, FSDP2's
+    shard gathering); as is in one process."""
+
+    trained: Callable[[Callable[[], T]], T] = as_is
+    reference: Callable[[Callable[[], T]], T] = as_is
 
 
 def joined(query_ids: Tensor, query_mask: Tensor, response_ids: Tensor, response_mask: Tensor):
@@ -61,6 +83,9 @@ class PolicyRoles:
         self.lora = lora
         self.merge_lora_for_generation = lora and merge_lora_for_generation
         self.lean = lean  # policy / reference forwards through models.lean where the model allows it
+        self.engines = Engines()
+        # what samples: the policy itself, or (FSDP2) a context giving a whole-weight copy of it
+        self.generation_policy: Callable[[], ContextManager[torch.nn.Module]] | None = None
         for module in (policy, value_model, reference):
             if module is not None:
                 models.disable_dropout(module)
@@ -91,6 +116,17 @@ class PolicyRoles:
     def generation_weights(self):
         """Context for sampling: LoRA merged into temporary weight copies when asked (models.merged_adapter)."""
         return models.merged_adapter(self.policy) if self.merge_lora_for_generation else nullcontext()
+
+    @contextmanager
+    def sampler(self) -> Iterator[torch.nn.Module]:
+        """The model that samples responses, with the current weights (LoRA merged when asked)."""
+        if self.generation_policy is None:
+            with self.generation_weights():
+                yield self.policy
+            return
+        with self.generation_policy() as whole:
+            with models.merged_adapter(whole) if self.merge_lora_for_generation else nullcontext():
+                yield whole
 
     def _policy_adapter(self):
         return models.use_adapter(self.policy, "default") if self.value_mode == "lora_adapter" else nullcontext()
@@ -143,6 +179,10 @@ class PolicyRoles:
         return self.value_head(hidden[:, start:-1])
 
     def logits_and_values(self, query_ids, query_mask, response_ids, response_mask) -> tuple[Tensor, Tensor | None]:
+        """Policy logits (B, T, V) and values (B, T) (None without a critic): one forward of the trained engine."""
+        return self.engines.trained(lambda: self._logits_and_values(query_ids, query_mask, response_ids, response_mask))
+
+    def _logits_and_values(self, query_ids, query_mask, response_ids, response_mask):
         logits, values = self.policy_forward(query_ids, query_mask, response_ids, response_mask)
         if values is None:
             values = self.values(query_ids, query_mask, response_ids, response_mask)
@@ -153,10 +193,13 @@ class PolicyRoles:
         """log pi_ref(a_t|s_t) for every response token (B, T), computed once per rollout."""
         args = (query_ids, query_mask, response_ids, response_mask)
         if self.lora:
-            with models.adapters_off(self.policy):
-                logits = self._response_logits(self.policy, *args)
-        else:
-            reference = self.reference if self.reference is not None else self.load_reference()
-            logits = self._response_logits(reference, *args)
-            del reference  # with reference_mode=reload nothing keeps it alive after this call
+            def adapters_off() -> Tensor:
+                with models.adapters_off(self.policy):
+                    return self._response_logits(self.policy, *args)
+
+            logits = self.engines.trained(adapters_off)  # the reference is the trained policy's own base
+        elif self.reference is not None:
+            logits = self.engines.reference(lambda: self._response_logits(self.reference, *args))
+        else:  # reference_mode=reload: loaded for this call, whole on every process, freed after it
+            logits = self._response_logits(self.load_reference(), *args)
         return selective_log_softmax(logits, response_ids, temperature)

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import Tensor
 
 from rlhflab.core.logprobs import entropy_from_logits, selective_log_softmax
 from rlhflab.rollout.backends import generate_with
-from rlhflab.rollout.generate import GenerationSettings
+from rlhflab.rollout.generate import BatchPlace, Generated, GenerationSettings
 from rlhflab.rollout.roles import PolicyRoles
 
 
@@ -45,6 +46,8 @@ def collect_rollout(
     settings: GenerationSettings,
     generator: torch.Generator | None = None,
     keep_graph: bool = False,
+    place: BatchPlace | None = None,
+    response_width: Callable[[int], int] | None = None,
 ) -> Rollout:
     """Generate responses, then recompute old log-probs and values with one forward pass.
 
@@ -55,11 +58,19 @@ def collect_rollout(
     `keep_graph`: run that forward in training mode with autograd on and keep it in
     `policy_forward`, so the first PPO step reuses it instead of repeating it (the same
     weights and inputs give the same numbers). Costs its activations' memory during scoring.
+
+    Several processes (each with its part of a global batch): `place` says where `prompts` sit in it
+    (sampling noise, prompt padding), and `response_width(T)` the width every process pads its responses
+    to (the global batch's longest), so each row's tensors are the ones a single process would hold.
     """
     roles.train(False)
     started = time.time()
-    with roles.generation_weights():
-        out = generate_with(roles.policy, prompts, pad_id=pad_id, eos_id=eos_id, settings=settings, generator=generator)
+    with roles.sampler() as policy:
+        out = generate_with(policy, prompts, pad_id=pad_id, eos_id=eos_id, settings=settings, generator=generator,
+                            place=place)
+    if place is not None or response_width is not None:
+        out = widened(out, place.prompt_width if place is not None else 0,
+                      response_width(out.response_ids.shape[1]) if response_width is not None else 0, pad_id)
     generated = time.time()
     q_ids, q_mask, r_ids, r_mask = out.query_ids, out.query_mask, out.response_ids, out.response_mask
     kept = None
@@ -90,3 +101,18 @@ def collect_rollout(
         seconds={"generation": generated - started, "forward": time.time() - generated},
         policy_forward=kept,
     )
+
+
+def widened(out: Generated, prompt_width: int, response_width: int, pad_id: int) -> Generated:
+    """`out` with its prompts left-padded to `prompt_width` and its responses right-padded to `response_width`
+    columns (padding masked out), so that rows of several processes' rollouts line up in one global batch."""
+    q_ids, q_mask, r_ids, r_mask = out.query_ids, out.query_mask, out.response_ids, out.response_mask
+    if prompt_width > q_ids.shape[1]:
+        extra = prompt_width - q_ids.shape[1]
+        q_ids = torch.cat([q_ids.new_full((q_ids.shape[0], extra), pad_id), q_ids], dim=1)
+        q_mask = torch.cat([q_mask.new_zeros((q_mask.shape[0], extra)), q_mask], dim=1)
+    if response_width > r_ids.shape[1]:
+        extra = response_width - r_ids.shape[1]
+        r_ids = torch.cat([r_ids, r_ids.new_full((r_ids.shape[0], extra), pad_id)], dim=1)
+        r_mask = torch.cat([r_mask, r_mask.new_zeros((r_mask.shape[0], extra))], dim=1)
+    return Generated(q_ids, q_mask, r_ids, r_mask, out.ended_with_eos)

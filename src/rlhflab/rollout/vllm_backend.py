@@ -90,7 +90,7 @@ class VLLMBackend:
         self.llm = None
         self._asleep: set[str] = set()  # memory tags the engine has released
 
-    def generate(self, model, prompts, *, pad_id, eos_id, settings, generator=None) -> Generated:
+    def generate(self, model, prompts, *, pad_id, eos_id, settings, generator=None, place=None) -> Generated:
         from vllm import SamplingParams
 
         device = next(model.parameters()).device
@@ -98,8 +98,10 @@ class VLLMBackend:
         self._wake("weights")
         self.push_weights(model)
         self._wake("kv_cache")
-        params = [SamplingParams(**sampling_arguments(settings, eos_id, seed))
-                  for seed in prompt_seeds(generator, len(prompts))]
+        # several processes: the seeds of the whole global batch are drawn, this process keeps its rows' seeds
+        seeds = prompt_seeds(generator, place.total)[place.first:] if place is not None else \
+            prompt_seeds(generator, len(prompts))
+        params = [SamplingParams(**sampling_arguments(settings, eos_id, seed)) for seed in seeds[: len(prompts)]]
         outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], sampling_params=params,
                                     use_tqdm=False)
         if self.sleep_mode:

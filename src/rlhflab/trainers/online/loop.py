@@ -12,22 +12,24 @@ Each update (README "PPO, step by step" numbers them for PPO):
      (README "Alarms and stopping"); stop too when `max_seconds` is spent
   8. checkpoint every `save_every` updates, at the end, and on SIGINT / SIGTERM
      (README "Checkpoints and resume"); `--resume` continues bit for bit
+
+Several processes (torchrun / accelerate launch; README "Multi-process training"): `batch_size` is the
+global batch, each rank generates and scores its share of the prompts, every rank then holds the whole
+scored rollout, so steps 4-7 are the single-process ones; trainers/online/ranks.py says how.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import time
 
 import torch
 from tqdm.auto import tqdm
 
-from rlhflab import data, rewards, sources
+from rlhflab import data, parallel, rewards, sources
 from rlhflab.checkpoint import Checkpointer, open_run
 from rlhflab.core import masked_mean
-from rlhflab.core.logprobs import selective_log_softmax
 from rlhflab.data.prompt_rows import PromptRow
 from rlhflab.errors import UserInputError
 from rlhflab.rollout import GenerationSettings, decode_responses
@@ -35,10 +37,13 @@ from rlhflab.rollout.diversity import diversity_metrics
 from rlhflab.rollout.rollout import Rollout, collect_rollout
 from rlhflab.tracking import RunDir, RunResult
 from rlhflab.trainers.headroom import record_start_headroom
-from rlhflab.trainers.nonfinite import clip_and_step
-from rlhflab.trainers.online.algorithm import Algorithm, ScoredRollout, StepShare
+from rlhflab.trainers.online.algorithm import Algorithm, ScoredRollout
 from rlhflab.trainers.online.evaluate import Evaluator
 from rlhflab.trainers.online.monitor import Monitor, RunWatch
+from rlhflab.trainers.online.passes import (average_stats, micro_losses, rows_named, shuffled_rows,  # noqa: F401
+                                            update_passes)
+from rlhflab.trainers.online.ranks import (OnlineRanks, check_world, gather_rollout, rollout_generator,
+                                           rollout_place, wrap_roles)
 from rlhflab.trainers.online.save import save_policy_models
 from rlhflab.trainers.online.setup import build_reward, build_roles, build_verifier, check_online_config, reward_kind
 from rlhflab.trainers.online.state import Progress, pack_online, unpack_online
@@ -46,12 +51,6 @@ from rlhflab.trainers.setup import configure_allocator, configure_threads, make_
 from rlhflab.trainers.setup import seed_everything
 
 log = logging.getLogger("rlhflab")
-
-
-def sampling_seed(seed: int) -> int:
-    """Seed of the token-sampling generator: its own stream, not the prompt-order one's (same `seed`
-    in both gave identical streams on CPU, so the order of prompts and the sampled tokens were tied)."""
-    return seed ^ 0x5EED5EED
 
 
 def score_rollout(rollout: Rollout, reward_fn, tokenizer, rows: list[PromptRow], penalty: float):
@@ -67,103 +66,32 @@ def score_rollout(rollout: Rollout, reward_fn, tokenizer, rows: list[PromptRow],
     return torch.where(valid, scores, torch.zeros_like(scores)), valid
 
 
+def rollout_of_update(ranks: OnlineRanks, update: int, batch_ids: list[int], prompt_ids: list[list[int]],
+                      train_rows: list[PromptRow], reward_fn, tokenizer, settings: GenerationSettings, cfg,
+                      group: int, keep_graph: bool):
+    """Steps 2-3 for the global batch `batch_ids` (one train-prompt index per answer): this rank generates and
+    scores its share of the prompts, then every rank's rows are gathered. Returns the global rollout,
+    its (B,) scores and validity, and this rank's seconds of scoring."""
+    world = ranks.world
+    share = parallel.share_of(len(batch_ids) // group, world)  # whole prompts: a group stays on one rank
+    mine = [batch_ids[p * group + k] for p in share.positions[: share.real] for k in range(group)]
+    place = rollout_place([prompt_ids[i] for i in batch_ids], share, group) if world.distributed else None
+    rollout = collect_rollout(ranks.roles, [prompt_ids[i] for i in mine], pad_id=tokenizer.pad_token_id,
+                              eos_id=tokenizer.eos_token_id, settings=settings,
+                              generator=rollout_generator(cfg.seed, update, ranks.device), keep_graph=keep_graph,
+                              place=place, response_width=world.max if world.distributed else None)
+    t1 = time.time()
+    scores, valid = score_rollout(rollout, reward_fn, tokenizer, [train_rows[i] for i in mine],
+                                  cfg.missing_eos_penalty)
+    if world.distributed:
+        scores, valid = parallel.gather_rows(scores, world), parallel.gather_rows(valid.to(torch.uint8), world).bool()
+    return gather_rollout(rollout, world), scores, valid, time.time() - t1
+
+
 def scored_batch(rollout: Rollout, scores, valid, group_size: int) -> ScoredRollout:
     mask = rollout.response_mask & valid.unsqueeze(1)
     kl = torch.where(mask, rollout.logprobs - rollout.ref_logprobs, torch.zeros_like(rollout.logprobs))
     return ScoredRollout(rollout, scores, valid, mask, kl, group_size)
-
-
-def micro_losses(algorithm: Algorithm, roles, batch: ScoredRollout, adv, idx, share: StepShare, temperature: float,
-                 forward: tuple | None = None):
-    """Loss of one micro-batch `idx`, scaled by its share of the step.
-
-    `forward`: the rollout's own policy forward over all rows (`Rollout.policy_forward`), used
-    instead of running it again when the weights have not changed since."""
-    rollout = batch.rollout
-    q, qm, r, rm = (t[idx] for t in (rollout.query_ids, rollout.query_mask, rollout.response_ids, batch.mask))
-    if forward is not None:
-        logits, values = forward[0][idx], (forward[1][idx] if forward[1] is not None else None)
-    else:
-        logits, values = roles.logits_and_values(q, qm, r, rm)
-    logprobs = selective_log_softmax(logits, r, temperature)
-    return algorithm.loss(logprobs, values.float() if values is not None else None, batch, adv, idx, share)
-
-
-def update_passes(algorithm: Algorithm, roles, optimizer, scheduler, batch: ScoredRollout, adv, cfg, generator,
-                  update: int = 0, prompt_keys: list[int] | None = None) -> dict:
-    """Step 5: algorithm.epochs x num_mini_batches optimiser steps; returns averaged stats, and under
-    "skipped" how many of those steps a non-finite loss or gradient dropped (cfg.nonfinite == "skip";
-    "stop" raises naming the rollout rows and `prompt_keys[row]`, their train-prompt indices)."""
-    roles.train(True)
-    params = roles.trainable_parameters()
-    rollout = batch.rollout
-    size = rollout.batch_size
-    mb_size = size // cfg.num_mini_batches
-    micro = max(1, math.ceil(mb_size / cfg.gradient_accumulation_steps))
-    history: list[dict] = []
-    skipped = 0
-    rollout_tokens = batch.mask.sum().clamp(min=1).item()
-    # the rollout's forward is the first step's forward only if that step sees every row at the rollout's weights
-    reuse = rollout.policy_forward if micro >= size else None
-    for _ in range(algorithm.epochs):
-        order = shuffled_rows(size, batch.group_size if algorithm.whole_groups else 1, generator)
-        for start in range(0, size, mb_size):
-            mb_idx = order[start : start + mb_size]
-            share = StepShare(tokens=batch.mask[mb_idx].sum().clamp(min=1).item(), rows=len(mb_idx),
-                              rollout_tokens=rollout_tokens, response_length=cfg.response_length,
-                              steps=cfg.num_mini_batches, index=mb_idx)
-            mb_history, loss_value, rows = [], 0.0, mb_idx
-            for m_start in range(0, mb_size, micro):
-                idx = mb_idx[m_start : m_start + micro]
-                loss, stats = micro_losses(algorithm, roles, batch, adv, idx, share, cfg.temperature, reuse)
-                reuse = None  # its weights are stale after this step
-                if not torch.isfinite(loss):  # no backward through it: this minibatch's step is dropped below
-                    loss_value, rows = loss.item(), idx
-                    break
-                loss.backward()
-                mb_history.append(stats)
-            try:
-                grad_norm = clip_and_step(optimizer, scheduler, params, cfg.max_grad_norm, loss_value, cfg.nonfinite,
-                                          algorithm.name.upper())
-            except FloatingPointError as err:
-                raise FloatingPointError(f"{algorithm.name.upper()} update {update}: {err} "
-                                         f"({rows_named(rows.tolist(), prompt_keys)}); "
-                                         "no checkpoint written after it") from err
-            if grad_norm is None:  # dropped: its stats stay out of the averages
-                skipped += 1
-                continue
-            mb_history[-1]["grad_norm"] = grad_norm.detach()
-            history.extend(mb_history)
-    return {**average_stats(history), "skipped": skipped}
-
-
-def shuffled_rows(size: int, group: int, generator) -> torch.Tensor:
-    """A random order of the rollout's rows; with group > 1 a random order of whole groups, each contiguous."""
-    if group == 1:
-        return torch.randperm(size, generator=generator)
-    groups = torch.randperm(size // group, generator=generator)
-    return (groups.unsqueeze(1) * group + torch.arange(group)).reshape(-1)
-
-
-def rows_named(rows: list[int], prompt_keys: list[int] | None) -> str:
-    """Rollout rows, and the train prompts they answered, for an error message."""
-    named = f"rollout rows {rows}"
-    return f"{named}, train prompts {[prompt_keys[r] for r in rows]}" if prompt_keys is not None else named
-
-
-def average_stats(history: list[dict]) -> dict:
-    """Mean of each stat over the steps; extremes (`*_max`, `*_min`) keep their extreme."""
-    keys = {k for h in history for k in h}
-    out = {}
-    for key in keys:
-        values = torch.stack([h[key].float() for h in history if key in h])
-        if key.endswith("_max"):
-            out[key] = values.max().item()
-        elif key.endswith("_min"):
-            out[key] = values.min().item()
-        else:
-            out[key] = values.mean().item()
-    return out
 
 
 def rollout_metrics(batch: ScoredRollout, prompt_keys: list[int]) -> dict:
@@ -207,8 +135,10 @@ def train_online(cfg, algorithm: Algorithm, run: RunDir | None = None, reward_fn
     if the run ends below it (`cfg.keep_best`). Without it no alarm, stop or restore happens.
     """
     started = time.time()
+    world = parallel.init_world(cfg.device)
     check_online_config(cfg, algorithm.epochs, algorithm.samples_per_prompt)
-    configure_threads(cfg.threads)
+    check_world(cfg, algorithm.samples_per_prompt, algorithm.whole_groups, world)
+    configure_threads(world.threads(cfg.threads))
     configure_allocator(cfg.mmap_threshold_mib)
     seed_everything(cfg.seed, cfg.deterministic)
     roles, tokenizer = build_roles(cfg, critic=algorithm.critic)
@@ -219,38 +149,47 @@ def train_online(cfg, algorithm: Algorithm, run: RunDir | None = None, reward_fn
     if reward_fn is None:
         reward_fn, normalisation = build_reward(cfg, tokenizer, roles.policy, train_rows[: cfg.calibration_prompts])
     prompt_ids = data.encode_prompts(tokenizer, [r.prompt for r in train_rows])
-    run, resumed = open_run(cfg, algorithm.name) if run is None else (run, None)
+    world.check_same(prompt_ids, "the tokenised train prompts")
+    ranks = wrap_roles(roles, cfg, world)  # before the optimiser: FSDP2 replaces the parameters
+    run, resumed = open_run(cfg, algorithm.name, ranks.layout) if run is None else (run, None)
 
     group = algorithm.samples_per_prompt
     num_updates = cfg.total_episodes // cfg.batch_size
-    optimizer = make_optimizer(algorithm.param_groups(roles), cfg, fused=True)  # steps every minibatch
+    optimizer = make_optimizer(algorithm.param_groups(roles), cfg, fused=not ranks.sharded)  # steps every minibatch
     scheduler = make_scheduler(optimizer, cfg, num_updates * algorithm.epochs * cfg.num_mini_batches)
-    generator = torch.Generator().manual_seed(cfg.seed)  # prompt order and minibatches
-    device = next(roles.policy.parameters()).device
-    sampler = torch.Generator(device=device).manual_seed(sampling_seed(cfg.seed))  # token sampling, on the model's device
+    generator = torch.Generator().manual_seed(cfg.seed)  # prompt order and minibatches (the same on every rank)
     # Rollouts sample from the full softmax: with top-k / top-p the sampling policy would
     # not be the one whose log-probs the loss uses. top_k / top_p apply to evaluation only.
     settings = GenerationSettings(cfg.response_length, True, cfg.temperature, top_k=0, top_p=1.0)
     # one minibatch of one micro-batch: the rollout's policy forward is also the first training forward
-    keep_graph = cfg.reuse_rollout_forward and cfg.num_mini_batches == 1 and cfg.gradient_accumulation_steps == 1
+    keep_graph = cfg.reuse_rollout_forward and cfg.num_mini_batches == 1 and cfg.gradient_accumulation_steps == 1 \
+        and not world.distributed  # several processes: a rank trains on other ranks' rows too
     evaluator = Evaluator(prompts.validation, tokenizer, cfg, run, verifier, reward_fn)
     signal = evaluator.signal  # val/pass_rate (verifier) or val/reward: what keep_best and the monitor read
     if getattr(monitor, "signal", signal) != signal:
         raise ValueError(f"the monitor watches {monitor.signal} but this run's held-out signal is {signal}")
     watch = RunWatch(monitor, run, roles, cfg.keep_best, signal)
-    generators = {"order": generator, "sampler": sampler}
+    generators = {"order": generator}  # token sampling: a generator of its own per update (ranks.rollout_generator)
+
+    def evaluate(update: int, episode: int) -> dict:
+        """The held-out evaluation, by rank 0 on the whole policy; its numbers on every rank."""
+        with ranks.whole_policy(on_every_rank=False) as policy:
+            return world.from_main(lambda: evaluator.evaluate(policy, step=update, episode=episode))
+
     if resumed is None:  # what the starting policy gives RL to reinforce, per family: RUN/headroom.json (in setup)
-        record_start_headroom(roles.policy, tokenizer, prompts.validation, verifier, cfg, run)
+        with ranks.whole_policy(on_every_rank=False) as policy:
+            world.from_main(lambda: record_start_headroom(policy, tokenizer, prompts.validation, verifier, cfg, run))
     # wall time split for summary.json: loading and building, the updates themselves (steps 1-6 up
     # to logging: what a throughput figure divides by), evaluations, checkpoints + the final save
     walls = {"setup": time.time() - started, "loop": 0.0, "evaluation": 0.0, "save": 0.0}
     if resumed is None:
-        first = evaluator.evaluate(roles.policy, step=0, episode=0)
+        first = evaluate(0, 0)
         walls["evaluation"] = time.time() - started - walls["setup"]
         watch.observe(0, first)
         progress = Progress(first=first, last_eval=first)
     else:
-        progress = unpack_online(resumed, roles, optimizer, scheduler, algorithm, generators, watch)
+        progress = unpack_online(resumed, roles, optimizer, scheduler, algorithm, generators, watch,
+                                 trained=ranks.trained.model if ranks.sharded else None)
         resumed.commit()  # only now cut the histories back, record the resume
         walls.update({k: progress.walls.get(k, 0.0) for k in ("loop", "evaluation", "save")})  # max_seconds too
     first, last_eval, last, order = progress.first, progress.last_eval, progress.last, progress.order
@@ -258,23 +197,21 @@ def train_online(cfg, algorithm: Algorithm, run: RunDir | None = None, reward_fn
     budget_stop = progress.budget_stop
     pack = lambda: pack_online(roles, optimizer, scheduler, algorithm, generators, Progress(  # noqa: E731
         done, episode, order, first, last_eval, last, finished, skipped, dict(walls), budget_stop),
-        watch)  # reads the loop's variables
+        watch, sharded=ranks.sharded)  # reads the loop's variables
     start = num_updates if finished else done
     resumed_at = resumed.step if resumed is not None else None  # that checkpoint is on disk already
-    with Checkpointer(run.path, cfg.save_every, cfg.keep_last_n, resumed_at) as saver:  # SIGINT / SIGTERM handlers
-        bar = tqdm(range(start + 1, num_updates + 1), desc=algorithm.name, unit="update", disable=not cfg.progress)
+    with checkpointer(run, cfg, resumed_at, ranks, optimizer) as saver:  # SIGINT / SIGTERM handlers
+        bar = tqdm(range(start + 1, num_updates + 1), desc=algorithm.name, unit="update",
+                   disable=not (cfg.progress and world.is_main))
         for update in bar:
             t0 = time.time()
-            # 1. prompts, each asked `group` times
+            # 1. prompts, each asked `group` times (the global batch: the same on every rank)
             batch_ids, order = draw_prompts(order, cfg.batch_size // group, group, generator, len(train_rows))
-            rows = [train_rows[i] for i in batch_ids]
             # 2. rollout: generate, then old / reference log-probs (and values) in one pass each
-            rollout = collect_rollout(roles, [prompt_ids[i] for i in batch_ids], pad_id=tokenizer.pad_token_id,
-                                      eos_id=tokenizer.eos_token_id, settings=settings, generator=sampler,
-                                      keep_graph=keep_graph)
-            t1 = time.time()
             # 3. scores, with the missing-EOS penalty; rows the reward failed on are masked out
-            scores, valid = score_rollout(rollout, reward_fn, tokenizer, rows, cfg.missing_eos_penalty)
+            rollout, scores, valid, scoring = rollout_of_update(ranks, update, batch_ids, prompt_ids, train_rows,
+                                                                reward_fn, tokenizer, settings, cfg, group, keep_graph)
+            t1 = time.time() - scoring
             if not valid.any():
                 raise FloatingPointError(f"update {update}: the reward source failed on every row of the batch")
             batch = scored_batch(rollout, scores, valid, group)
@@ -293,7 +230,8 @@ def train_online(cfg, algorithm: Algorithm, run: RunDir | None = None, reward_fn
             if not bool(valid.all()):
                 batch = dataclasses.replace(batch, rollout=dataclasses.replace(rollout, policy_forward=None))
             stats = {"skipped": algorithm.epochs * cfg.num_mini_batches} if bad_rows.any() else update_passes(
-                algorithm, roles, optimizer, scheduler, batch, adv, cfg, generator, update, batch_ids)
+                algorithm, roles, optimizer, scheduler, batch, adv, cfg, generator, update, batch_ids,
+                ranks.trained if world.distributed else None)
             skipped += stats.pop("skipped")
             t3 = time.time()
             # 6. the algorithm's state, metrics, periodic evaluation
@@ -314,7 +252,7 @@ def train_online(cfg, algorithm: Algorithm, run: RunDir | None = None, reward_fn
             t4 = time.time()
             walls["loop"] += t4 - t0
             if (cfg.eval_every and update % cfg.eval_every == 0) or update == num_updates:
-                last_eval = evaluator.evaluate(roles.policy, step=update, episode=episode)
+                last_eval = evaluate(update, episode)
                 watch.observe(update, last_eval)
                 bar.set_postfix({signal.removeprefix("val/"): f"{last_eval[signal]:.2f}",
                                  "kl": f"{last['objective/kl']:.2f}", "score": f"{last['objective/scores']:.2f}"})
@@ -322,14 +260,14 @@ def train_online(cfg, algorithm: Algorithm, run: RunDir | None = None, reward_fn
             walls["evaluation"] += t5 - t4
             # 7. the monitor's stopping rule (validation patience, or an alarm listed in stop_on_alarms),
             # or the time budget (then the policy is evaluated once more, unless that just happened)
-            if watch.should_stop(update, episode):
+            if world.any(watch.should_stop(update, episode)):  # the same numbers on every rank: a safeguard
                 break
-            if cfg.max_seconds and cycle_seconds(walls) >= cfg.max_seconds:
+            if world.any(bool(cfg.max_seconds) and cycle_seconds(walls) >= cfg.max_seconds):  # clocks differ
                 budget_stop = {"step": update, "episode": episode, "max_seconds": cfg.max_seconds}
                 log.info("%s: max_seconds %.0f spent at update %d (episode %d)", algorithm.name, cfg.max_seconds,
                          update, episode)
                 if last_eval.get("episode") != episode:
-                    last_eval = evaluator.evaluate(roles.policy, step=update, episode=episode)
+                    last_eval = evaluate(update, episode)
                     watch.observe(update, last_eval)
                 walls["evaluation"] += time.time() - t5
                 break
@@ -342,7 +280,8 @@ def train_online(cfg, algorithm: Algorithm, run: RunDir | None = None, reward_fn
         saver.finish(done, pack)  # before the best policy may be restored: a resume continues from `done`
 
     monitored = watch.finish(done, last_eval[signal])  # restores the best policy when it should
-    model_dir = save_policy_models(roles, tokenizer, run.path)
+    with ranks.whole_roles() as whole:
+        model_dir = world.from_main(lambda: save_policy_models(whole, tokenizer, run.path))
     walls["save"] += time.time() - t6
     held_out = saved_policy_numbers(first, last_eval, last, monitored, signal)
     summary = run.update_summary(
@@ -353,9 +292,21 @@ def train_online(cfg, algorithm: Algorithm, run: RunDir | None = None, reward_fn
         wall_time_s={**{k: round(v, 3) for k, v in walls.items()}, "total": round(time.time() - started, 3)},
         model_dir=str(model_dir), **monitored, budget_stop=budget_stop,
         nonfinite={"mode": cfg.nonfinite, "skipped_updates": skipped},
+        parallel={**ranks.layout.describe(), **world.describe()},
     )
     run.close()
     return RunResult(run.path, summary, model_dir)
+
+
+def checkpointer(run: RunDir, cfg, resumed_at: int | None, ranks: OnlineRanks, optimizer) -> Checkpointer:
+    """The loop's Checkpointer for this layout: FSDP2 shards and their moments written by every rank."""
+    def write_shards(folder) -> None:
+        from rlhflab.parallel.state import save_sharded
+
+        save_sharded(ranks.trained.model, optimizer, folder)
+
+    return Checkpointer(run.path, cfg.save_every, cfg.keep_last_n, resumed_at, layout=ranks.layout,
+                        write_shards=write_shards if ranks.sharded else None)
 
 
 def cycle_seconds(walls: dict) -> float:

@@ -34,6 +34,8 @@ class BestPolicy:
 
     A copy of the trainable parameters only (adapters alone under LoRA); fine at the
     sizes this library trains on one machine. Full checkpoints are `rlhflab.checkpoint`'s job.
+    Several processes: every rank offers and restores at the same updates (they read the same numbers);
+    FSDP2 shards are kept whole (gathered: a collective), so a checkpoint written by rank 0 holds them.
     """
 
     def __init__(self, roles: PolicyRoles):
@@ -46,13 +48,27 @@ class BestPolicy:
     def offer(self, step: int, pass_rate: float, update_row: dict) -> None:
         """Keep the current parameters when `pass_rate` beats every earlier one (ties keep the earlier)."""
         if pass_rate > self.pass_rate:
-            self.state = [p.detach().to("cpu", copy=True) for p in self.params]
+            self.state = [whole(p).to("cpu", copy=True) for p in self.params]
             self.step, self.pass_rate, self.update_row = step, pass_rate, dict(update_row)
 
     @torch.no_grad()
     def restore(self) -> None:
         for p, saved in zip(self.params, self.state):
-            p.copy_(saved.to(p.device))
+            p.copy_(as_held(saved.to(p.device), p))
+
+
+def whole(p: torch.Tensor) -> torch.Tensor:
+    """A parameter's whole value (an FSDP2 shard is gathered: every rank must call it)."""
+    return p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach()
+
+
+def as_held(value: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """`value` (whole) laid out as `p` is held: this rank's shard of it for an FSDP2 parameter."""
+    if not hasattr(p, "device_mesh"):
+        return value
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(value, p.device_mesh, p.placements, src_data_rank=None)  # every rank has it whole
 
 
 class RunWatch:

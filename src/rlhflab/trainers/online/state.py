@@ -7,6 +7,10 @@ REINFORCE's moving baseline), the RNGs (global ones and the loop's `order` / `sa
 generators), the loop's position (update, episode, the rest of the shuffled prompt order),
 the wall-time split `max_seconds` reads, the last metrics the summary needs, and the
 monitor's side (alarms, the rows it saw, the best policy so far).
+
+Several processes: rank 0 packs. DDP holds the whole model on every rank, so its checkpoint is the
+single-process one. FSDP2 holds shards: the trainable weights and their AdamW moments are written by
+every rank into `step-N/sharded/` (torch.distributed.checkpoint) and read back the same way.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from rlhflab.checkpoint import Resumed, load_trainable_weights, restore_rng, rng_state, trainable_weights
+from rlhflab.checkpoint.folder import SHARDED
 from rlhflab.checkpoint.state import load_optimiser
 from rlhflab.rollout.roles import PolicyRoles
 from rlhflab.trainers.online.monitor import RunWatch
@@ -43,19 +48,29 @@ def role_modules(roles: PolicyRoles) -> dict[str, torch.nn.Module]:
 
 
 def pack_online(roles: PolicyRoles, optimizer, scheduler, algorithm, generators: dict[str, torch.Generator],
-                progress: Progress, watch: RunWatch) -> tuple[dict[str, torch.Tensor], dict]:
-    state = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-             "algorithm": algorithm.state_dict(), "rng": rng_state(generators),
+                progress: Progress, watch: RunWatch, sharded: bool = False) -> tuple[dict[str, torch.Tensor], dict]:
+    """(weights, state) of a checkpoint; `sharded`: weights and moments are FSDP2 shards, written apart."""
+    state = {"scheduler": scheduler.state_dict(), "algorithm": algorithm.state_dict(), "rng": rng_state(generators),
              "progress": dict(vars(progress)), "watch": watch.state_dict()}
-    return trainable_weights(role_modules(roles)), state
+    if sharded:
+        return {}, state
+    return trainable_weights(role_modules(roles)), {"optimizer": optimizer.state_dict(), **state}
 
 
 def unpack_online(resumed: Resumed, roles: PolicyRoles, optimizer, scheduler, algorithm,
-                  generators: dict[str, torch.Generator], watch: RunWatch) -> Progress:
-    """Put a checkpoint back into freshly built roles / optimiser / ...; returns the loop's position."""
+                  generators: dict[str, torch.Generator], watch: RunWatch, trained=None) -> Progress:
+    """Put a checkpoint back into freshly built roles / optimiser / ...; returns the loop's position.
+    `trained`: the FSDP2-wrapped trained module, whose shards and moments come from `step-N/sharded/`."""
     state = resumed.state
-    load_trainable_weights(role_modules(roles), resumed.weights, str(resumed.checkpoint / "model.safetensors"))
-    load_optimiser(optimizer, scheduler, state, str(resumed.checkpoint / "state.safetensors"))  # config's lr etc.
+    where = str(resumed.checkpoint / "state.safetensors")
+    if trained is not None:
+        from rlhflab.parallel.state import load_sharded
+
+        load_optimiser(optimizer, scheduler, state, where,
+                       load_moments=lambda: load_sharded(trained, optimizer, resumed.checkpoint / SHARDED))
+    else:
+        load_trainable_weights(role_modules(roles), resumed.weights, str(resumed.checkpoint / "model.safetensors"))
+        load_optimiser(optimizer, scheduler, state, where)  # config's lr etc.
     algorithm.load_state_dict(state["algorithm"])
     watch.load_state_dict(state["watch"])
     restore_rng(state["rng"], generators)

@@ -1,0 +1,123 @@
+"""Step 5 of the online loop: `algorithm.epochs` passes over shuffled minibatches of one scored rollout.
+
+Each minibatch is one AdamW step; its micro-batches' losses add up to the minibatch's loss (StepShare),
+whatever the gradient accumulation. Several processes (trainers/online/ranks.py): every rank holds the
+global rollout and shuffles it the same way, trains on its block of each minibatch's micro-batches
+through the engine (which sums the gradients over ranks), and the logged stats are every rank's.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+
+from rlhflab import parallel
+from rlhflab.core.logprobs import selective_log_softmax
+from rlhflab.trainers.nonfinite import clip_and_step
+from rlhflab.trainers.online.algorithm import Algorithm, ScoredRollout, StepShare
+from rlhflab.trainers.online.ranks import merged_history, micro_batches, micro_cut
+
+
+def micro_losses(algorithm: Algorithm, roles, batch: ScoredRollout, adv, idx, share: StepShare, temperature: float,
+                 forward: tuple | None = None):
+    """Loss of one micro-batch `idx`, scaled by its share of the step.
+
+    `forward`: the rollout's own policy forward over all rows (`Rollout.policy_forward`), used
+    instead of running it again when the weights have not changed since."""
+    rollout = batch.rollout
+    q, qm, r, rm = (t[idx] for t in (rollout.query_ids, rollout.query_mask, rollout.response_ids, batch.mask))
+    if forward is not None:
+        logits, values = forward[0][idx], (forward[1][idx] if forward[1] is not None else None)
+    else:
+        logits, values = roles.logits_and_values(q, qm, r, rm)
+    logprobs = selective_log_softmax(logits, r, temperature)
+    return algorithm.loss(logprobs, values.float() if values is not None else None, batch, adv, idx, share)
+
+
+def update_passes(algorithm: Algorithm, roles, optimizer, scheduler, batch: ScoredRollout, adv, cfg, generator,
+                  update: int = 0, prompt_keys: list[int] | None = None,
+                  trained: parallel.Wrapped | None = None) -> dict:
+    """Step 5: algorithm.epochs x num_mini_batches optimiser steps; returns averaged stats, and under
+    "skipped" how many of those steps a non-finite loss or gradient dropped (cfg.nonfinite == "skip";
+    "stop" raises naming the rollout rows and `prompt_keys[row]`, their train-prompt indices).
+    `trained`: the engine around the trained modules when several processes train (None: one process)."""
+    world = trained.world if trained is not None else parallel.SINGLE
+    roles.train(True)
+    # FSDP2 may hold a layer unsharded between forwards: the optimiser's parameters are the sharded ones
+    params = [p for g in optimizer.param_groups for p in g["params"]] if world.distributed and trained.layout.sharded \
+        else roles.trainable_parameters()
+    rollout = batch.rollout
+    size = rollout.batch_size
+    mb_size = size // cfg.num_mini_batches
+    history: list[tuple[tuple, dict]] = []  # ((pass, minibatch, micro-batch), stats): every rank's, merged below
+    skipped = 0
+    rollout_tokens = batch.mask.sum().clamp(min=1).item()
+    micro, count = micro_cut(mb_size, cfg.gradient_accumulation_steps, world.world_size)
+    # the rollout's forward is the first step's forward only if that step sees every row at the rollout's weights
+    reuse = rollout.policy_forward if micro >= size else None
+    for epoch in range(algorithm.epochs):
+        order = shuffled_rows(size, batch.group_size if algorithm.whole_groups else 1, generator)
+        for start in range(0, size, mb_size):
+            mb_idx = order[start : start + mb_size]
+            share = StepShare(tokens=batch.mask[mb_idx].sum().clamp(min=1).item(), rows=len(mb_idx),
+                              rollout_tokens=rollout_tokens, response_length=cfg.response_length,
+                              steps=cfg.num_mini_batches, index=mb_idx)
+            step_history, loss_value, rows = [], 0.0, mb_idx
+            mine = micro_batches(mb_idx, cfg.gradient_accumulation_steps, world)
+            for n, (position, idx, real) in enumerate(mine):
+                with trained.sync(n == len(mine) - 1) if trained is not None else nullcontext():
+                    loss, stats = micro_losses(algorithm, roles, batch, adv, idx, share, cfg.temperature, reuse)
+                    reuse = None  # its weights are stale after this step
+                    if world.any(not torch.isfinite(loss)):  # no backward through it: the step is dropped below
+                        loss_value, rows = loss.item() if not torch.isfinite(loss) else float("nan"), idx
+                        break
+                    if trained is None:
+                        loss.backward()
+                    else:  # a padding micro-batch runs with zero weight: the same collectives, no gradient
+                        trained.backward(loss if real else loss * 0.0)
+                if real:
+                    step_history.append(((epoch, start, position), stats))
+            try:
+                grad_norm = clip_and_step(optimizer, scheduler, params, cfg.max_grad_norm, loss_value, cfg.nonfinite,
+                                          algorithm.name.upper())
+            except FloatingPointError as err:
+                raise FloatingPointError(f"{algorithm.name.upper()} update {update}: {err} "
+                                         f"({rows_named(rows.tolist(), prompt_keys)}); "
+                                         "no checkpoint written after it") from err
+            if grad_norm is None:  # dropped: its stats stay out of the averages
+                skipped += 1
+                continue
+            if step_history and step_history[-1][0][2] == count - 1:  # once per step, on its last micro-batch
+                step_history[-1][1]["grad_norm"] = grad_norm.detach()
+            history.extend(step_history)
+    return {**average_stats(merged_history(history, world)), "skipped": skipped}
+
+
+def shuffled_rows(size: int, group: int, generator) -> torch.Tensor:
+    """A random order of the rollout's rows; with group > 1 a random order of whole groups, each contiguous."""
+    if group == 1:
+        return torch.randperm(size, generator=generator)
+    groups = torch.randperm(size // group, generator=generator)
+    return (groups.unsqueeze(1) * group + torch.arange(group)).reshape(-1)
+
+
+def rows_named(rows: list[int], prompt_keys: list[int] | None) -> str:
+    """Rollout rows, and the train prompts they answered, for an error message."""
+    named = f"rollout rows {rows}"
+    return f"{named}, train prompts {[prompt_keys[r] for r in rows]}" if prompt_keys is not None else named
+
+
+def average_stats(history: list[dict]) -> dict:
+    """Mean of each stat over the steps; extremes (`*_max`, `*_min`) keep their extreme."""
+    keys = {k for h in history for k in h}
+    out = {}
+    for key in keys:
+        values = torch.stack([h[key].float() for h in history if key in h])
+        if key.endswith("_max"):
+            out[key] = values.max().item()
+        elif key.endswith("_min"):
+            out[key] = values.min().item()
+        else:
+            out[key] = values.mean().item()
+    return out

@@ -1,0 +1,238 @@
+"""The online methods in 2 processes (torchrun, gloo on CPU) against 1 process at the same global batch.
+
+One torchrun launch trains GRPO and PPO under DDP and FSDP2 and RLOO under DDP (tests/parallel/
+online_ranks_driver.py); the same configs run here in one process. Checked: the weights after 3 updates
+(max abs difference <= 1e-5, float32), metrics.jsonl (timing fields aside), that rank 0 alone wrote the
+one run folder, checkpoints recording their layout (FSDP2: shards); then a PPO FSDP2 job killed with SIGKILL
+after a checkpoint and resumed equals the uninterrupted run, its checkpoint is refused by 1 process with
+the reason, a DDP checkpoint continues in 1 process, and an exception on rank 1 ends rank 0 within seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from runcheck import SUITE, WALL_CLOCK, metrics
+from safetensors.torch import load_file
+from tinyhf import save_suite_model
+
+from rlhflab.checkpoint import MARKER
+from rlhflab.checkpoint.folder import complete_checkpoints, load_checkpoint
+from rlhflab.config import STAGES, parse_config
+from rlhflab.errors import UserInputError
+from rlhflab.eval import RunMonitor
+
+DRIVER = Path(__file__).with_name("online_ranks_driver.py")
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+REWARD = """def digits(prompts, completions, **columns):
+    return [sum(c.isdigit() for c in t) / max(len(t), 1) for t in completions]
+"""
+# how far a threshold count may move when FSDP2's forward (the model's own) rounds differently from the lean one
+THRESHOLD_COUNTS = ("clipfrac", "clip_ratio")
+RUNS = {  # name -> (stage, strategy, the stage's own arguments)
+    "grpo-ddp": ("grpo", "ddp", ["--num_generations", "4", "--learning_rate", "1e-2"]),
+    "grpo-fsdp2": ("grpo", "fsdp2", ["--num_generations", "4", "--learning_rate", "1e-2"]),
+    "ppo-ddp": ("ppo", "ddp", ["--learning_rate", "1e-3", "--adaptive_kl", "true", "--kl_target", "0.5"]),
+    "ppo-fsdp2": ("ppo", "fsdp2", ["--learning_rate", "1e-3", "--adaptive_kl", "true", "--kl_target", "0.5"]),
+    "rloo-ddp": ("rloo", "ddp", ["--num_generations", "4", "--learning_rate", "1e-2"]),
+}
+
+
+def run_args(name: str, policy_dir: str, reward: str, out: Path, strategy: str | None = None) -> list[str]:
+    stage, default, extra = RUNS[name]
+    return [stage, "--model", policy_dir, "--output_dir", str(out), "--reward_fn", reward, "--batch_size", "8",
+            "--num_mini_batches", "2", "--gradient_accumulation_steps", "2", "--response_length", "6",
+            "--max_new_tokens", "6", "--total_episodes", "24", "--eval_every", "0", "--eval_prompts", "2",
+            "--sample_prompts", "1", "--missing_eos_penalty", "0", "--stop_on_alarms", "", "--headroom_samples", "0",
+            "--save_every", "1", "--keep_last_n", "0", "--parallel_strategy", strategy or default, *extra, *SUITE]
+
+
+def environment(**extra: str) -> dict:
+    return {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "HF_HUB_OFFLINE": "1", **extra}
+
+
+def launch(cwd: Path, *command: str, **env: str) -> subprocess.Popen:
+    """2 processes under torchrun."""
+    return subprocess.Popen([*TORCHRUN, *command], cwd=cwd, env=environment(**env), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (torchrun starts its workers in sessions of their own), from /proc."""
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        children = parents.get(todo.pop(), [])
+        found.extend(children)
+        todo.extend(children)
+    return found
+
+
+def finished(proc: subprocess.Popen, timeout: float = 300) -> str:
+    out, err = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, f"torchrun exited {proc.returncode}:\n{err[-4000:]}"
+    return out
+
+
+def train_here(args: list[str]):
+    cfg = parse_config(STAGES[args[0]], args[1:], prog=f"rlhflab {args[0]}")
+    import importlib
+
+    return importlib.import_module(f"rlhflab.trainers.{args[0]}").train(cfg, monitor=RunMonitor.from_config(cfg))
+
+
+def max_weight_difference(a: Path, b: Path) -> float:
+    files = sorted(p.relative_to(a) for p in a.rglob("*.safetensors") if "checkpoints" not in p.parts)
+    assert files, f"no weights under {a}"
+    worst = 0.0
+    for rel in files:
+        left, right = load_file(str(a / rel)), load_file(str(b / rel))
+        assert left.keys() == right.keys(), rel
+        worst = max([worst, *((left[k].float() - right[k].float()).abs().max().item() for k in left)])
+    return worst
+
+
+def assert_same_metrics(one: Path, two: Path, loose: tuple[str, ...] = ()) -> None:
+    """Every row and key alike; floats to 1e-5 (relative above 1), keys containing a `loose` part may differ."""
+    rows_one, rows_two = metrics(one), metrics(two)
+    assert len(rows_one) == len(rows_two) and len(rows_one) >= 5
+    for a, b in zip(rows_one, rows_two):
+        assert a.keys() == b.keys()
+        for key in a:
+            if any(part in key for part in loose):
+                continue
+            if isinstance(a[key], float):
+                assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-5, nan_ok=True), (a.get("step"), key)
+            else:
+                assert a[key] == b[key], (a.get("step"), key)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ranks")
+    policy_dir = save_suite_model(root / "policy")
+    (root / "digits.py").write_text(REWARD)
+    return root, policy_dir, f"{root / 'digits.py'}:digits"
+
+
+@pytest.fixture(scope="module")
+def two_processes(setup):
+    """Every RUNS entry trained by one 2-process launch; its wall time and the launch folder's listing."""
+    root, policy_dir, reward = setup
+    work = root / "two"
+    work.mkdir()
+    specs = [json.dumps(run_args(name, policy_dir, reward, work / name)) for name in RUNS]
+    started = time.time()
+    finished(launch(work, str(DRIVER), *specs))
+    return work, time.time() - started
+
+
+@pytest.fixture(scope="module")
+def one_process(setup):
+    """The same configs in this process (the single-process path); strategy is ignored in one process."""
+    root, policy_dir, reward = setup
+    out = root / "one"
+    for name in ("grpo-ddp", "ppo-ddp", "rloo-ddp"):
+        train_here(run_args(name, policy_dir, reward, out / name.split("-")[0]))
+    return out
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_two_processes_train_what_one_process_trains(two_processes, one_process, name):
+    work, wall = two_processes
+    stage, strategy, _ = RUNS[name]
+    difference = max_weight_difference(one_process / stage, work / name)
+    print(f"\n{name}: max |w1 - w2| = {difference:.2e} over 3 updates (2-process launch of all runs: {wall:.0f} s)")
+    assert difference <= 1e-5
+    assert_same_metrics(one_process / stage, work / name, THRESHOLD_COUNTS if strategy == "fsdp2" else ())
+    summary = json.loads((work / name / "summary.json").read_text())
+    assert summary["parallel"]["world_size"] == 2 and summary["parallel"]["strategy"] == strategy
+    assert summary["updates"] == 3 and summary["episodes"] == 24  # global batches: 3 x 8 answers, not 3 x 16
+
+
+def test_rank_0_alone_writes_one_run_folder_and_checkpoints_record_their_layout(two_processes, one_process):
+    work, _ = two_processes
+    assert sorted(p.name for p in work.iterdir()) == sorted(RUNS)  # nothing else, no default runs/ folder
+    for name, (stage, strategy, _) in RUNS.items():
+        run = work / name
+        listing = sorted(p.name for p in run.iterdir())
+        assert listing == sorted(p.name for p in (one_process / stage).iterdir()), name
+        assert len((run / "samples.jsonl").read_text().splitlines()) == \
+            len((one_process / stage / "samples.jsonl").read_text().splitlines())
+        steps = complete_checkpoints(run / "checkpoints")
+        assert [int(p.name.split("-")[1]) for p in steps] == [1, 2, 3]
+        _, weights, state = load_checkpoint(steps[-1])
+        assert state["parallel"] == {"strategy": strategy, "world_size": 2, "sharded_state": strategy == "fsdp2"}
+        sharded = steps[-1] / "sharded"
+        assert sharded.is_dir() == (strategy == "fsdp2")
+        assert (weights == {}) == (strategy == "fsdp2")  # FSDP2: weights and moments are in the shards
+
+
+def test_sigkill_after_a_checkpoint_then_resume_equals_the_uninterrupted_run(setup, two_processes, tmp_path):
+    root, policy_dir, reward = setup
+    work, _ = two_processes
+    out = tmp_path / "ppo-fsdp2"
+    args = run_args("ppo-fsdp2", policy_dir, reward, out)
+    proc = launch(tmp_path, "-m", "rlhflab", *args)
+    marker = out / "checkpoints" / "step-1" / MARKER
+    deadline = time.time() + 240
+    while not marker.exists():
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.time() < deadline
+        time.sleep(0.01)
+    for pid in [proc.pid, *descendants(proc.pid)]:  # the whole job: torchrun and both ranks (own sessions)
+        os.kill(pid, signal.SIGKILL)
+    proc.communicate(timeout=60)
+    assert not (out / "summary.json").exists()  # it died mid-run
+    finished(launch(tmp_path, "-m", "rlhflab", *args, "--resume", "latest"))
+    assert max_weight_difference(work / "ppo-fsdp2", out) <= 1e-6
+    assert_same_metrics(work / "ppo-fsdp2", out)
+    resumes = json.loads((out / "summary.json").read_text())["resumes"]
+    assert len(resumes) == 1 and resumes[0]["step"] >= 1
+
+    # the sharded checkpoint in one process: refused, with the launch that reads it
+    copy = tmp_path / "copy"
+    shutil.copytree(work / "ppo-fsdp2", copy)
+    with pytest.raises(UserInputError, match="nproc_per_node 2"):
+        train_here([*run_args("ppo-fsdp2", policy_dir, reward, copy), "--resume", str(copy / "checkpoints/step-2")])
+
+
+def test_a_ddp_checkpoint_continues_in_one_process(setup, two_processes, tmp_path):
+    root, policy_dir, reward = setup
+    work, _ = two_processes
+    copy = tmp_path / "grpo-ddp"
+    shutil.copytree(work / "grpo-ddp", copy)
+    train_here([*run_args("grpo-ddp", policy_dir, reward, copy), "--resume", str(copy / "checkpoints/step-1")])
+    assert max_weight_difference(work / "grpo-ddp", copy) <= 1e-5
+
+
+def test_an_exception_on_rank_1_ends_rank_0_within_seconds_with_its_message(setup, tmp_path):
+    root, policy_dir, reward = setup
+    out = tmp_path / "failing"
+    args = [*run_args("grpo-ddp", policy_dir, reward, out), "--total_episodes", "800"]
+    proc = launch(tmp_path, "-m", "rlhflab", *args, RLHFLAB_FAIL_AT="1:1")
+    log = out / "metrics.jsonl"
+    while not (log.exists() and '"step": 1' in log.read_text()):  # rank 0 logged update 1: rank 1 raises next
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        time.sleep(0.01)
+    failed_at = time.time()
+    _, err = proc.communicate(timeout=120)
+    print(f"\nrank 1 failed after update 1; the job ended {time.time() - failed_at:.1f} s later")
+    assert proc.returncode != 0
+    assert time.time() - failed_at < 20
+    assert "deliberate failure on rank 1 after step 1" in err
+    assert not (out / "summary.json").exists()
