@@ -13,6 +13,7 @@ import torch
 from runcheck import assert_same_weights, metrics, ppo_args, rm_args, sft_args, train
 from safetensors.torch import load_file
 
+from rlhflab import models
 from rlhflab.checkpoint import complete_checkpoints
 from rlhflab.cli import main
 from rlhflab.trainers import ppo, reward, sft
@@ -59,15 +60,16 @@ def test_a_nan_loss_stops_ppo_naming_update_and_rows_with_no_checkpoint_after_it
 
 
 def test_a_nan_sft_loss_stops_naming_the_step_and_cli_exits_3(tmp_path, monkeypatch, capsys):
-    real = sft.completion_loss_sum
+    real = {"completion_loss_sum": sft.completion_loss_sum, "packed_loss_sum": sft.packed_loss_sum}
     calls = []
 
     def nan_from_step_4(model, batch):
         calls.append(1)
-        loss = real(model, batch)
+        loss = real[packed_or_padded(batch)](model, batch)
         return loss * math.nan if len(calls) >= 4 else loss
 
     monkeypatch.setattr(sft, "completion_loss_sum", nan_from_step_4)
+    monkeypatch.setattr(sft, "packed_loss_sum", nan_from_step_4)  # packing (the default) sums through this one
     out = tmp_path / "run"
     assert main([*sft_args(out), "--save_every", "1", "--keep_last_n", "0"]) == 3
     err = capsys.readouterr().err
@@ -98,6 +100,19 @@ def test_weights_that_went_non_finite_are_never_checkpointed(tmp_path):
     assert not (tmp_path / "checkpoints").exists() or not any((tmp_path / "checkpoints").iterdir())
 
 
+def packed_or_padded(batch) -> str:
+    """Which of SFT's two loss sums a batch goes through: packed rows (the default) or a padded batch."""
+    return "packed_loss_sum" if isinstance(batch, models.PackedSequences) else "completion_loss_sum"
+
+
+def patch_sft_loss(monkeypatch, steps: set[int], offset: int = 0) -> None:
+    """Both SFT loss sums return NaN at the training steps in `steps` (one shared step count)."""
+    real = {"completion_loss_sum": sft.completion_loss_sum, "packed_loss_sum": sft.packed_loss_sum}
+    patched = nan_at_steps(lambda model, batch: real[packed_or_padded(batch)](model, batch), steps, offset)
+    monkeypatch.setattr(sft, "completion_loss_sum", patched)
+    monkeypatch.setattr(sft, "packed_loss_sum", patched)
+
+
 def nan_at_steps(real, steps: set[int], offset: int = 0):
     """`real` (sft.completion_loss_sum) returning NaN during the training steps in `steps`; a step = one training
     call (validation calls run with model.eval()); `offset` = steps already done by a resumed run."""
@@ -119,10 +134,9 @@ def same_tensors(a, b) -> bool:
 
 
 def test_skip_mode_drops_nan_sft_steps_counts_them_and_resumes_exactly(tmp_path, monkeypatch):
-    real = sft.completion_loss_sum
     out = tmp_path / "run"
     args = [*sft_args(out), "--save_every", "1", "--keep_last_n", "0", "--nonfinite", "skip"]
-    monkeypatch.setattr(sft, "completion_loss_sum", nan_at_steps(real, {2, 7}))
+    patch_sft_loss(monkeypatch, {2, 7})
     train(args)
     rows = metrics(out)
     assert [r["nonfinite/skipped_updates"] for r in rows if "loss/sft" in r] == [0] + [1] * 5 + [2] * 10
@@ -135,7 +149,7 @@ def test_skip_mode_drops_nan_sft_steps_counts_them_and_resumes_exactly(tmp_path,
     # resumed between the two skips (one counted, one to come): the same history and weights, bit for bit
     reference = tmp_path / "reference"
     shutil.copytree(out, reference)
-    monkeypatch.setattr(sft, "completion_loss_sum", nan_at_steps(real, {2, 7}, offset=4))
+    patch_sft_loss(monkeypatch, {2, 7}, offset=4)
     train([*args, "--resume", str(steps / "step-4")])
     assert metrics(out) == metrics(reference)
     assert_same_weights(reference, out)
