@@ -15,6 +15,16 @@ Parts: `ppo` (throughput + peak RSS + held-out pass rate after the same episodes
 repeats, runs alternating rlhflab / TRL / TRL without gc.collect), `rollout` (rlhflab's
 generation vs `model.generate`), `mfu` (fp32 matmul peak and model-FLOPs utilisation per
 phase for the demo model and a ~25M-parameter one). See benchmarks/RESULTS.md.
+
+`seeds` (issue 16 item 6; not in the default parts): learning per episode over many seeds. Each arm
+(`ARMS`: rlhflab, TRL, or TRL with one piece of its loop done rlhflab's way, trl_child.PROBES) runs
+full fine-tune, 1 PPO epoch, 1 thread, once per seed; the held-out pass rate of every policy goes to a
+JSONL file, and the table gives mean +- sd and Welch's t per arm, with the benchmark's reward model
+or with the suite's checker as the reward on both sides (`--reward checker`):
+
+    .venv/bin/python benchmarks/ppo_vs_trl.py --parts seeds --threads 1 --seeds 0-19 --arms rlhflab,TRL \
+        --reward checker --results benchmarks/.cache/seeds/checker.jsonl
+    .venv/bin/python benchmarks/ppo_vs_trl.py --table benchmarks/.cache/seeds/checker.jsonl
 """
 
 from __future__ import annotations
@@ -26,6 +36,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch is imported 
 import argparse  # noqa: E402
 import json  # noqa: E402
 import platform  # noqa: E402
+import shutil  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -69,7 +80,9 @@ def rlhflab_child(spec: dict) -> None:
     keys = ("batch_size", "num_mini_batches", "response_length", "total_episodes", "temperature", "learning_rate",
             "adam_beta1", "adam_beta2", "adam_eps", "kl_coef", "cliprange", "cliprange_value", "vf_coef", "gamma",
             "lam", "missing_eos_penalty", "lora_alpha", "num_ppo_epochs", "lora_r")
-    cfg = PPOConfig(model=spec["sft"], reward="model", reward_model=spec["reward_model"], normalize_reward=False,
+    reward = spec.get("reward", "model")  # "checker": the suite's checker, as the TRL child's checker reward
+    cfg = PPOConfig(model=spec["sft"], reward=reward, reward_model=spec["reward_model"] if reward == "model" else "",
+                    normalize_reward=False, headroom_samples=0,
                     value_mode=spec.get("value_mode", "shared"), max_grad_norm=0.0, lr_schedule="linear",
                     warmup_steps=0, weight_decay=0.0, device="cpu", threads=spec["threads"], seed=spec["seed"],
                     eval_every=0, eval_prompts=8, sample_prompts=0, console_samples=0, save_every=0,
@@ -98,13 +111,14 @@ def rlhflab_child(spec: dict) -> None:
 
 def run_child(variant: str, assets: Assets, config: str, threads: int, seed: int, out: Path,
               rlhflab_options: dict | None = None, save_model: bool = True, env: dict | None = None,
-              **overrides) -> dict:
-    """One run of one variant in a fresh process; returns its JSON line."""
+              extra: dict | None = None, **overrides) -> dict:
+    """One run of one variant in a fresh process; returns its JSON line. `extra`: more spec keys
+    (`reward`, `trl_probes`, `prompt_items`, `no_gc`: the seeds part), over the ones set here."""
     spec = {"sft": str(assets.sft), "reward_model": str(assets.reward_model), "value_model": str(assets.value_model),
             "prompts": str(assets.prompts), "settings": {**SHARED, **CONFIGS[config], **overrides}, "threads": threads,
             "seed": seed, "out": str(out), "no_gc": variant == "trl_no_gc", "rlhflab_options": rlhflab_options or {},
             # gc changes no number: one TRL model per repeat is evaluated
-            "save_model": save_model and variant != "trl_no_gc"}
+            "save_model": save_model and variant != "trl_no_gc", **(extra or {})}
     out.mkdir(parents=True, exist_ok=True)
     spec_file = out / "spec.json"
     spec_file.write_text(json.dumps(spec))
@@ -121,7 +135,8 @@ def run_child(variant: str, assets: Assets, config: str, threads: int, seed: int
 
 
 def held_out_pass_rate(model_dir: str, threads: int) -> float:
-    """Greedy pass rate on the suite's test split, the same evaluation for every model."""
+    """Greedy pass rate on the suite's test split (300 prompts since 86b6765; split_seed 0, disjoint from
+    the 400 train prompts both sides learn from), the same evaluation for every model."""
     import torch
 
     from rlhflab import models
@@ -321,9 +336,126 @@ def memory_part(assets: Assets, threads: int, run_root: Path, episodes: int = 32
     return (f"{episodes} episodes, {threads} thread(s), RSS in MiB\n" + markdown_table(header, rows))
 
 
+# --- learning per episode over seeds (issue 16 item 6) ------------------------------------------
+
+# arm -> side and what differs from that side's benchmark run: rlhflab PPOConfig options, or the
+# trl_child.PROBES that do one piece of TRL's loop rlhflab's way (the reverse of the probes on rlhflab)
+ARMS = {
+    "rlhflab": ("rlhflab", {}),
+    "rlhflab value model": ("rlhflab", {"value_mode": "separate"}),  # TRL's design: the `value` asset
+    "TRL": ("trl", []),
+    "TRL score at EOS": ("trl", ["score_at_eos"]),
+    "TRL value head on trunk": ("trl", ["shared_trunk"]),
+    "TRL rlhflab sampler": ("trl", ["sampler"]),
+    "TRL rlhflab scoring": ("trl", ["rescore"]),
+    "TRL all four": ("trl", ["score_at_eos", "shared_trunk", "sampler", "rescore"]),
+}
+
+
+def seed_list(text: str) -> list[int]:
+    if "-" in text:
+        first, last = text.split("-")
+        return list(range(int(first), int(last) + 1))
+    return [int(x) for x in text.split(",")]
+
+
+def read_results(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+
+
+def write_prompt_items(assets: Assets) -> Path:
+    """The train prompts' suite items, in prompts.json's order (what the TRL child's checker reward reads)."""
+    from rlhflab import tasks
+
+    path = assets.prompts.parent / "prompt_items.json"
+    items = tasks.build_splits(0)["train"]  # bench_assets.write_prompts' prompts, same order
+    path.write_text(json.dumps([{"family": i.family, "prompt": i.prompt, "reference": i.reference,
+                                 "content": list(i.content)} for i in items]))
+    return path
+
+
+def seeds_part(assets: Assets, arms: list[str], seeds: list[int], reward: str, results_file: Path,
+               episodes: int) -> None:
+    """Every arm once per seed (seed-major, so a busy spell on the machine hits every arm alike), full
+    fine-tune, 1 PPO epoch, 1 thread; each policy's held-out pass rate appended to `results_file`."""
+    unknown = [a for a in arms if a not in ARMS]
+    if unknown:
+        raise SystemExit(f"unknown arms {unknown}; known: {list(ARMS)}")
+    items = write_prompt_items(assets)
+    done = {(r["arm"], r["reward"], r["seed"]) for r in read_results(results_file)}
+    results_file.parent.mkdir(parents=True, exist_ok=True)
+    for seed in seeds:
+        for arm in arms:
+            if (arm, reward, seed) in done:
+                continue
+            side, change = ARMS[arm]
+            out = results_file.parent / f"seeds-{reward}-{arm.replace(' ', '_')}-s{seed}"
+            options = dict(change) if side == "rlhflab" else {}
+            # TRL's gc.collect calls change no number (they free memory), only its time: off
+            extra = {"reward": reward, "prompt_items": str(items), "trl_probes": change if side == "trl" else [],
+                     "no_gc": True}
+            if "value_mode" in options:  # the child passes the value model's folder with it
+                extra["value_mode"] = options.pop("value_mode")
+            r = run_child(side, assets, "full 1 epoch", 1, seed, out,
+                          rlhflab_options=options, extra=extra, total_episodes=episodes, save_model=True)
+            row = {"arm": arm, "reward": reward, "seed": seed, "episodes": episodes}
+            if "failed" in r:
+                print(f"  {arm:<24} seed {seed:2d}: FAILED {r['failed']} (see {out}/stderr.txt)", flush=True)
+                continue
+            row |= {"pass_rate": held_out_pass_rate(r["model_dir"], 1), "episodes_per_s": r["episodes"] / r["seconds"]}
+            shutil.rmtree(r["model_dir"], ignore_errors=True)  # ~the SFT model's size each; the rate is what is kept
+            with results_file.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+            print(f"  {arm:<24} {reward} seed {seed:2d}: pass rate {row['pass_rate']:.3f}, "
+                  f"{row['episodes_per_s']:.0f} episodes/s", flush=True)
+
+
+def welch(a: list[float], b: list[float]) -> tuple[float, float]:
+    """Welch's t of mean(a) - mean(b) and its Welch-Satterthwaite degrees of freedom."""
+    va, vb = statistics.variance(a) / len(a), statistics.variance(b) / len(b)
+    if va + vb == 0:
+        return float("nan"), float("nan")
+    t = (statistics.mean(a) - statistics.mean(b)) / (va + vb) ** 0.5
+    df = (va + vb) ** 2 / (va**2 / (len(a) - 1) + vb**2 / (len(b) - 1))
+    return t, df
+
+
+def seeds_table(results: list[dict]) -> str:
+    """Per (arm, reward): seeds, mean +- sd of the held-out pass rate, Welch t against TRL as shipped
+    (same reward, the seeds both ran) and against rlhflab."""
+    groups: dict[tuple[str, str], dict[int, float]] = {}
+    for r in results:
+        groups.setdefault((r["arm"], r["reward"]), {})[r["seed"]] = r["pass_rate"]
+    rows = []
+    for (arm, reward), by_seed in groups.items():
+        rates = list(by_seed.values())
+        cells = [arm, reward, str(len(rates)), f"{statistics.mean(rates):.3f} +- "
+                 f"{statistics.stdev(rates) if len(rates) > 1 else float('nan'):.3f}"]
+        for ref in ("TRL", "rlhflab"):
+            other = groups.get((ref, reward), {})
+            mine, theirs = list(by_seed.values()), list(other.values())
+            if ref == arm or len(mine) < 2 or len(theirs) < 2:
+                cells.append("-")
+                continue
+            t, df = welch(mine, theirs)
+            cells.append(f"{statistics.mean(mine) - statistics.mean(theirs):+.3f} (t {t:+.2f}, df {df:.0f})")
+        rows.append(cells)
+    header = ["arm", "reward", "seeds", "held-out pass rate", "vs TRL", "vs rlhflab"]
+    return (markdown_table(header, rows) + "\nheld-out = greedy pass rate on the suite's 300-prompt test split after "
+            "the run (full fine-tune, 1 PPO epoch, batch 8, 1 thread); t = Welch's t")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--parts", default="ppo,rollout,mfu,memory", help="comma-separated: ppo, rollout, mfu, memory")
+    parser.add_argument("--parts", default="ppo,rollout,mfu,memory",
+                        help="comma-separated: ppo, rollout, mfu, memory, seeds (not in the default)")
+    parser.add_argument("--seeds", default="0-19", help="seeds part: seeds, 'A-B' or comma-separated")
+    parser.add_argument("--arms", default="rlhflab,TRL", help=f"seeds part: any of {list(ARMS)}, comma-separated")
+    parser.add_argument("--reward", default="model", choices=("model", "checker"),
+                        help="seeds part: the benchmark's reward model on both sides, or the suite's checker")
+    parser.add_argument("--results", default=None, help="seeds part: JSONL file runs are appended to (and "
+                        "read back: a finished (arm, reward, seed) is not run again); default: a new run folder")
+    parser.add_argument("--table", default=None, help="print the seeds table of a --results file and exit")
     parser.add_argument("--threads", default="1,2", help="thread counts to run, comma-separated")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--configs", default=",".join(CONFIGS), help=f"any of {list(CONFIGS)}, comma-separated")
@@ -334,12 +466,18 @@ def main() -> None:
     if args.child:
         rlhflab_child(json.loads(Path(args.child).read_text()))
         return
+    if args.table:
+        print(seeds_table(read_results(Path(args.table))))
+        return
     parts, threads_list = args.parts.split(","), [int(t) for t in args.threads.split(",")]
     print("\n".join(machine_lines(threads_list)), flush=True)
     assets = prepare(args.sft_steps, max(threads_list))
     print(f"assets: {json.dumps(assets.notes)}", flush=True)
     run_root = Path(tempfile.mkdtemp(prefix="ppo-vs-trl-", dir=CACHE))
     report = {}
+    if "ppo" in parts or "seeds" in parts:
+        if not TRL_PYTHON.exists():
+            raise SystemExit(f"{TRL_PYTHON} not found: run the setup at the top of {__file__}")
     if "ppo" in parts:
         if not TRL_PYTHON.exists():
             raise SystemExit(f"{TRL_PYTHON} not found: run the setup at the top of {__file__}")
@@ -348,6 +486,12 @@ def main() -> None:
         (run_root / "ppo_results.json").write_text(json.dumps(results, indent=1))
         report["ppo"] = ppo_table(results, held_out_pass_rate(str(assets.sft), max(threads_list)), args.episodes)
         print("\n" + report["ppo"], flush=True)
+    if "seeds" in parts:
+        results_file = Path(args.results) if args.results else run_root / "seeds.jsonl"
+        arms = args.arms.split(",")
+        seeds_part(assets, arms, seed_list(args.seeds), args.reward, results_file, args.episodes)
+        report["seeds"] = seeds_table([r for r in read_results(results_file) if r["arm"] in arms])
+        print("\n" + report["seeds"], flush=True)
     if "rollout" in parts:
         report["rollout"] = rollout_part(assets, threads_list)
         print("\n" + report["rollout"], flush=True)

@@ -8,6 +8,11 @@ the settings shared with the rlhflab side (see `ppo_vs_trl.shared_settings`).
 Prints one JSON line: wall time of `trainer.train()`, response tokens, peak RSS.
 With `"no_gc": true` every `gc.collect()` in this process is a no-op (TRL's PPO
 loop calls it twice per update; FACTS.md: about half its wall time).
+
+Probes (`"trl_probes"` in the spec, issue 16 item 6): TRL's own loop with one piece done
+rlhflab's way, to find which piece changes learning per episode (`PROBES` below). The
+`sampler` probe and the checker reward import `rlhflab` (the one on PYTHONPATH, else this
+repository's `src/`: pure torch / transformers code; the TRL virtualenv has the same versions).
 """
 
 from __future__ import annotations
@@ -18,11 +23,25 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch is imported 
 
 import argparse  # noqa: E402
 import gc  # noqa: E402
+import inspect  # noqa: E402
 import json  # noqa: E402
+import sys  # noqa: E402
+import textwrap  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from peak_rss import rss_mib  # noqa: E402
+
+REPO_SRC = Path(__file__).resolve().parent.parent / "src"
+
+
+def rlhflab_importable() -> None:
+    """For the probes that run rlhflab code: the one on PYTHONPATH (e.g. a frozen copy of a commit's src/,
+    the rlhflab side's), else this repository's src/."""
+    import importlib.util
+
+    if importlib.util.find_spec("rlhflab") is None:
+        sys.path.insert(0, str(REPO_SRC))
 
 
 
@@ -52,6 +71,145 @@ def count_response_tokens(counter: dict) -> None:
     ppo_trainer.batch_generation = timed_generation
 
 
+# --- probes: TRL's loop with one piece done rlhflab's way -------------------------------------
+
+
+def edit_train(edits: list[tuple[str, str]]) -> None:
+    """Replace `PPOTrainer.train` by its own source with `edits` applied (old -> new, each found exactly once)."""
+    from trl.experimental.ppo import ppo_trainer
+
+    source = textwrap.dedent(inspect.getsource(ppo_trainer.PPOTrainer.train))
+    for old, new in edits:
+        if source.count(old) != 1:
+            raise RuntimeError(f"PPOTrainer.train holds {source.count(old)} copies of {old!r} (written for trl 1.12.0)")
+        source = source.replace(old, new)
+    defined: dict = {}
+    exec(compile(source, "<PPOTrainer.train, probed>", "exec"), ppo_trainer.__dict__, defined)
+    ppo_trainer.PPOTrainer.train = defined["train"]
+
+
+# rlhflab puts the score on the last real token (EOS) and trains / bootstraps values up to it;
+# TRL puts it one position later (a padding position, or the last one when the response was cut)
+# and trains values there too
+SCORE_AT_EOS = [("padding_mask_p1 = response_idxs > (sequence_lengths_p1.unsqueeze(1))", "padding_mask_p1 = padding_mask"),
+                ("actual_end = torch.where(sequence_lengths_p1 < rewards.size(1), sequence_lengths_p1, sequence_lengths)",
+                 "actual_end = sequence_lengths")]
+# the reward call goes through `score_rows` (set by install_scoring) instead of `get_reward`
+SCORE_HOOK = [("_, score, _ = get_reward(", "score = score_rows(query, postprocessed_response, processing_class, ")]
+
+
+def response_texts(tokenizer, responses) -> list[str]:
+    """Each response's text without its EOS and what follows (rlhflab's decode_responses)."""
+    eos = tokenizer.eos_token_id
+    texts = []
+    for ids in responses.tolist():
+        kept = ids[: ids.index(eos)] if eos in ids else ids
+        texts.append(tokenizer.decode([t for t in kept if t != tokenizer.pad_token_id], skip_special_tokens=True))
+    return texts
+
+
+def rescored(query, response, tokenizer, reward_model, query_response, pad_id, context_length):
+    """rlhflab's reward-model scoring: the response decoded to text, re-tokenised, EOS appended (also
+    to a response the length cap cut), score read at that EOS."""
+    import torch
+    from trl.experimental.utils import get_reward
+
+    rows = [tokenizer(t, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+            for t in response_texts(tokenizer, response)]
+    width = max(map(len, rows))
+    ids = torch.tensor([r + [pad_id] * (width - len(r)) for r in rows], dtype=query.dtype)
+    return get_reward(reward_model, torch.cat([query, ids], dim=1), pad_id, context_length)[1]
+
+
+def checker_scoring(spec: dict):
+    """The suite's checker as the reward (1 pass, 0 fail) on each response's text, as rlhflab's
+    `--reward checker`; prompts are known by their token ids (the spec's `prompt_items`)."""
+    rlhflab_importable()
+    from rlhflab.tasks import TaskItem, check
+
+    import torch
+
+    prompts = json.loads(Path(spec["prompts"]).read_text())
+    items = [TaskItem(i["family"], i["prompt"], i["reference"], tuple(i["content"]))
+             for i in json.loads(Path(spec["prompt_items"]).read_text())]
+    by_ids = {tuple(ids): item for ids, item in zip(prompts, items)}
+
+    def score(query, response, tokenizer, reward_model, query_response, pad_id, context_length):
+        keys = [tuple(t for t in q if t != pad_id) for q in query.tolist()]
+        texts = response_texts(tokenizer, response)
+        return torch.tensor([float(check(by_ids[k], t).passed) for k, t in zip(keys, texts)])
+
+    return score
+
+
+def rlhflab_sampler(seed: int, eos_id: int, temperature: float, response_length: int):
+    """`batch_generation` replaced by rlhflab's rollout sampling: its KV decoder and exponential-race sampler
+    on a torch.Generator of its own (seed ^ 0x5EED5EED; TRL samples from the global RNG), then the old
+    log-probs' logits from one forward over the finished sequences (TRL takes them from generate()'s scores)."""
+    rlhflab_importable()
+    import torch
+    from rlhflab.rollout.generate import GenerationSettings, generate
+    from trl.experimental.ppo.ppo_trainer import forward
+
+    generator = torch.Generator().manual_seed(seed ^ 0x5EED5EED)
+    settings = GenerationSettings(response_length, True, temperature, top_k=0, top_p=1.0)
+
+    @torch.no_grad()
+    def batch_generation(model, queries, local_rollout_forward_batch_size, pad_token_id, generation_config):
+        prompts = [[t for t in q if t != pad_token_id] for q in queries.tolist()]
+        out = generate(model, prompts, pad_id=pad_token_id, eos_id=eos_id, settings=settings, generator=generator)
+        assert torch.equal(out.query_ids, queries), "rlhflab's left padding differs from TRL's collator"
+        query_responses = torch.cat([queries, out.response_ids], dim=1)
+        context = queries.shape[1]
+        logits = forward(model, query_responses, pad_token_id).logits[:, context - 1 : -1]
+        return query_responses, logits / (temperature + 1e-7)
+
+    return batch_generation
+
+
+def install_probes(spec: dict) -> None:
+    """What the spec's `trl_probes` and `reward` ask of TRL's module (before the trainer is built);
+    `shared_trunk` is applied in build_trainer."""
+    from trl.experimental.ppo import ppo_trainer
+
+    probes, s = set(spec.get("trl_probes", [])), spec["settings"]
+    unknown = probes - set(PROBES)
+    if unknown:
+        raise SystemExit(f"unknown TRL probes {sorted(unknown)}; known: {sorted(PROBES)}")
+    edits = SCORE_AT_EOS if "score_at_eos" in probes else []
+    checker = spec.get("reward", "model") == "checker"
+    if checker or "rescore" in probes:
+        ppo_trainer.score_rows = checker_scoring(spec) if checker else rescored
+        edits = edits + SCORE_HOOK
+    if edits:
+        edit_train(edits)
+    if "sampler" in probes:
+        from transformers import AutoTokenizer
+
+        eos = AutoTokenizer.from_pretrained(spec["sft"]).eos_token_id
+        ppo_trainer.batch_generation = rlhflab_sampler(spec["seed"], eos, s["temperature"], s["response_length"])
+
+
+def value_head_on_trunk(value, policy):
+    """rlhflab's `value_mode=shared`: the value reads the policy's own trunk through a fresh head with zero
+    weights and bias (trainers/online/setup.py); TRL's wrapper then trains the trunk with both losses."""
+    import torch
+
+    value.model = policy.model
+    value.score = torch.nn.Linear(policy.config.hidden_size, 1)
+    torch.nn.init.zeros_(value.score.weight)
+    torch.nn.init.zeros_(value.score.bias)
+    return value
+
+
+PROBES = {
+    "score_at_eos": "score on the EOS token, values trained and bootstrapped up to it (not one position later)",
+    "shared_trunk": "value head on the policy's trunk, zero-initialised (rlhflab's value_mode=shared)",
+    "sampler": "rlhflab's sampler: its KV decoder and own generator; old log-probs from a forward",
+    "rescore": "rlhflab's RM scoring: decoded text re-tokenised, EOS appended",
+}
+
+
 def build_trainer(spec: dict, out: Path):
     import torch
     from datasets import Dataset
@@ -67,6 +225,8 @@ def build_trainer(spec: dict, out: Path):
     reference = None if lora else AutoModelForCausalLM.from_pretrained(spec["sft"], dtype=torch.float32)
     reward = AutoModelForSequenceClassification.from_pretrained(spec["reward_model"], num_labels=1)
     value = AutoModelForSequenceClassification.from_pretrained(spec["value_model"], num_labels=1)
+    if "shared_trunk" in spec.get("trl_probes", []):
+        value = value_head_on_trunk(value, policy)
     prompts = json.loads(Path(spec["prompts"]).read_text())
     train = Dataset.from_dict({"input_ids": prompts})
     config = PPOConfig(
@@ -111,6 +271,7 @@ def main() -> None:
 
     torch.set_num_threads(spec["threads"])
     before = rss_mib()
+    install_probes(spec)
     counter = {"response_tokens": 0, "generated_tokens": 0, "generation_seconds": 0.0}
     count_response_tokens(counter)
     t0 = time.time()
