@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import zlib
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -30,6 +31,12 @@ def tiny(config_class, policy_dir, **overrides):
 def digit_share(prompts, responses, rows):
     """An easy reward: the share of characters that are digits (random text: ~0.03)."""
     return [sum(c.isdigit() for c in r) / max(len(r), 1) for r in responses]
+
+
+def spread_score(prompts, responses, rows):
+    """A reward whose answers never all score alike (a checksum of the text): for the tests that need a non-zero
+    gradient at the first update whatever the sampled text (digit_share is 0 for every answer of some draws)."""
+    return [zlib.crc32(r.encode()) % 7 / 6 for r in responses]
 
 
 def metric_rows(run_dir: Path) -> list[dict]:

@@ -217,6 +217,7 @@ def test_a_ddp_checkpoint_continues_in_one_process(setup, two_processes, tmp_pat
     copy = tmp_path / "grpo-ddp"
     shutil.copytree(work / "grpo-ddp", copy)
     train_here([*run_args("grpo-ddp", policy_dir, reward, copy), "--resume", str(copy / "checkpoints/step-1")])
+    assert [r["step"] for r in json.loads((copy / "summary.json").read_text())["resumes"]] == [1]
     assert max_weight_difference(work / "grpo-ddp", copy) <= 1e-5
 
 

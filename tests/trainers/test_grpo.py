@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 from critic_free import (GROUPS_WITH_FAILURES, check_accumulation_equivalence, check_masked_garbage_changes_nothing,
-                         digit_share, grouped_rollout, hand_batch, tiny, update_rows)
+                         digit_share, grouped_rollout, hand_batch, spread_score, tiny, update_rows)
 from tinyhf import save_suite_model
 
 from rlhflab.cli import main
@@ -69,7 +69,7 @@ def test_first_update_has_ratio_exactly_one_and_kl_exactly_zero(policy_dir, tmp_
     # a fresh training forward (not the rollout's own, reused one) must give the rollout's log-probs exactly
     cfg = grpo_cfg(policy_dir, importance_sampling_level=level, loss_type=loss_type, reuse_rollout_forward=False,
                    output_dir=str(tmp_path / "run"), missing_eos_penalty=0.0, epsilon_high=0.28)
-    [row] = update_rows(grpo.train(cfg, reward_fn=digit_share).run_dir)
+    [row] = update_rows(grpo.train(cfg, reward_fn=spread_score).run_dir)
     assert row["policy/ratio_mean"] == row["policy/ratio_min"] == row["policy/ratio_max"] == 1.0
     assert row["objective/kl"] == 0.0 and row["kl"] == 0.0  # policy == reference: k1 and k3 both exactly 0
     assert row["clip_ratio/region_mean"] == 0.0 and row["grad_norm"] > 0
@@ -79,7 +79,7 @@ def test_a_second_iteration_moves_the_ratio_off_one(policy_dir, tmp_path):
     """The ratio metrics are not constants: with num_iterations 2 the second pass sees ratios != 1."""
     cfg = grpo_cfg(policy_dir, num_iterations=2, learning_rate=3e-2, output_dir=str(tmp_path / "run"),
                    missing_eos_penalty=0.0)
-    [row] = update_rows(grpo.train(cfg, reward_fn=digit_share).run_dir)
+    [row] = update_rows(grpo.train(cfg, reward_fn=spread_score).run_dir)
     assert row["policy/ratio_min"] < 1.0 < row["policy/ratio_max"] and row["kl"] > 0
 
 

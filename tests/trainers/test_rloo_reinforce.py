@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 from critic_free import (GROUPS_WITH_FAILURES, check_accumulation_equivalence, check_masked_garbage_changes_nothing,
-                         digit_share, hand_batch, tiny, update_rows)
+                         digit_share, hand_batch, spread_score, tiny, update_rows)
 from tinyhf import save_suite_model
 
 from rlhflab.cli import main
@@ -49,7 +49,7 @@ def test_rloo_advantages_by_hand_with_the_kl_in_the_reward(policy_dir):
 def test_rloo_first_update_has_ratio_exactly_one_and_kl_exactly_zero(policy_dir, tmp_path):
     cfg = rloo_cfg(policy_dir, num_iterations=1, reuse_rollout_forward=False, output_dir=str(tmp_path / "run"),
                    missing_eos_penalty=0.0)
-    [row] = update_rows(rloo.train(cfg, reward_fn=digit_share).run_dir)
+    [row] = update_rows(rloo.train(cfg, reward_fn=spread_score).run_dir)
     assert row["policy/ratio_mean"] == row["policy/ratio_min"] == row["policy/ratio_max"] == 1.0
     assert row["objective/kl"] == 0.0 and row["kl"] == 0.0 and row["grad_norm"] > 0
 
@@ -114,7 +114,7 @@ def test_reinforce_leave_one_out_baseline_by_hand(policy_dir):
 def test_reinforce_first_update_has_ratio_exactly_one_and_kl_exactly_zero(policy_dir, tmp_path, baseline):
     cfg = reinforce_cfg(policy_dir, baseline=baseline, reuse_rollout_forward=False, output_dir=str(tmp_path / "run"),
                         missing_eos_penalty=0.0)
-    [row] = update_rows(reinforce.train(cfg, reward_fn=digit_share).run_dir)
+    [row] = update_rows(reinforce.train(cfg, reward_fn=spread_score).run_dir)
     assert row["policy/ratio_mean"] == 1.0 and row["objective/kl"] == 0.0 and row["grad_norm"] > 0
 
 
