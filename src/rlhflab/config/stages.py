@@ -97,6 +97,10 @@ class RMConfig(ParallelFields, CheckpointFields, RunFields, ModelFields, SuiteFi
     pass_fail_coef: float = arg(0.0, "coef * binary cross-entropy of each score as the logit of 'acceptable' (chosen "
                                      "1, rejected 0): one threshold across prompts and families; only where every "
                                      "chosen answer is acceptable and every rejected one is not (the suite's pairs)")
+    calibration_coef: float = arg(
+        0.0, "built-in suite, with hard_negatives: coef * binary cross-entropy of the policy's sampled answers' scores "
+             "(passing and failing, as sampled) against the checker's verdict, so scores follow how often answers "
+             "like them pass; 0 = off")
     learning_rate: float = arg(3e-4, "peak AdamW learning rate")
     warmup_steps: int = arg(5, "linear warmup steps")
     lr_schedule: Literal["cosine", "linear", "constant"] = arg("linear", "decay after warmup")

@@ -16,6 +16,7 @@ and writes.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import random
@@ -24,6 +25,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from rlhflab import data, models, parallel, tasks
@@ -56,6 +58,7 @@ class TokenizedPair:
     rejected: list[int]  # prompt + rejected + EOS; [CLS] prompt rejected [SEP] for an encoder
     family: str | None
     violation: str | None
+    labels: tuple[bool, bool] | None = None  # a SAMPLED row: whether each answer passes; None = a preference pair
 
 
 def tokenize_pairs(pairs: list[data.PairExample], tokenizer, max_length: int,
@@ -110,29 +113,65 @@ def near_miss_pairs(cfg: RMConfig, items: list[tasks.TaskItem]) -> list[data.Pai
 
 
 HARD_NEGATIVE = "policy_answer"  # the violation label of a hard negative: the policy's own failing answer
+SAMPLED = "policy_samples"  # a calibration row: two of the policy's own answers to one prompt, each checked
 
 
-def hard_negative_pairs(cfg: RMConfig, tokenizer, items: list[tasks.TaskItem]) -> list[data.PairExample]:
-    """Sample `cfg.hard_negatives` answers per prompt from the policy; distinct failing ones vs the reference."""
+@dataclass(frozen=True)
+class PolicyAnswers:
+    """`cfg.hard_negatives` answers sampled from the policy per prompt, checked (prompt-major order)."""
+
+    items: list[tasks.TaskItem]  # one per answer
+    texts: list[str]
+    passed: list[bool]
+
+
+def sample_policy_answers(cfg, tokenizer, items: list[tasks.TaskItem]) -> PolicyAnswers:
     policy = models.load_causal_lm(cfg.model, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code,
                                    device=resolve_device(cfg.device))
     settings = GenerationSettings(HARD_NEGATIVE_TOKENS, True, 1.0)
     repeated = [item for item in items for _ in range(cfg.hard_negatives)]
     answers = generate_answers(policy, tokenizer, [i.prompt for i in repeated], settings,
                                generator=torch.Generator().manual_seed(cfg.seed), progress=cfg.progress)
+    passed = [tasks.check(item, a.text, a.ended_with_eos).passed for item, a in zip(repeated, answers)]
+    return PolicyAnswers(repeated, [a.text for a in answers], passed)
+
+
+def hard_negative_pairs(cfg, tokenizer, items: list[tasks.TaskItem]) -> list[data.PairExample]:
+    """Sample `cfg.hard_negatives` answers per prompt from the policy; distinct failing ones vs the reference."""
+    return failing_answer_pairs(sample_policy_answers(cfg, tokenizer, items))
+
+
+def failing_answer_pairs(answers: PolicyAnswers) -> list[data.PairExample]:
+    """The distinct failing answers, each rejected against the reference."""
     seen, pairs = set(), []
-    for item, answer in zip(repeated, answers):
-        if tasks.check(item, answer.text, answer.ended_with_eos).passed or (item.prompt, answer.text) in seen:
+    for item, text, passed in zip(answers.items, answers.texts, answers.passed):
+        if passed or (item.prompt, text) in seen:
             continue
-        seen.add((item.prompt, answer.text))
-        pairs.append(data.PairExample(item.prompt, item.reference, answer.text, item.family, HARD_NEGATIVE))
+        seen.add((item.prompt, text))
+        pairs.append(data.PairExample(item.prompt, item.reference, text, item.family, HARD_NEGATIVE))
     return pairs
+
+
+def calibration_pairs(answers: PolicyAnswers) -> tuple[list[data.PairExample], list[tuple[bool, bool]]]:
+    """The sampled answers two by two (consecutive answers to one prompt; an odd last one is left out), as
+    they came, failing and passing alike, with the checker's verdicts: rows for the calibration term."""
+    rows, labels = [], []
+    for i in range(0, len(answers.items) - 1, 2):
+        item = answers.items[i]
+        if answers.items[i + 1] is not item:
+            continue
+        rows.append(data.PairExample(item.prompt, answers.texts[i], answers.texts[i + 1], item.family, SAMPLED))
+        labels.append((answers.passed[i], answers.passed[i + 1]))
+    return rows, labels
 
 
 def load_pairs(cfg: RMConfig, tokenizer, encoder: bool = False) -> dict[str, list[TokenizedPair]]:
     if cfg.hard_negatives and cfg.train_file:
         raise UserInputError("hard negatives need the built-in suite's checker", "--hard_negatives",
                              "drop --hard_negatives, or add the policy's failing answers to your pairs file")
+    if cfg.calibration_coef and not cfg.hard_negatives:
+        raise UserInputError("the calibration term reads the policy's sampled answers", "--calibration_coef",
+                             "add --hard_negatives 2 (answers sampled per prompt), or drop --calibration_coef")
     if cfg.near_misses and cfg.train_file:
         raise UserInputError("near misses are built from the built-in suite's items", "--near_misses",
                              "drop --near_misses, or add near-miss rejected answers to your pairs file")
@@ -140,9 +179,13 @@ def load_pairs(cfg: RMConfig, tokenizer, encoder: bool = False) -> dict[str, lis
     pairs = suite_pairs(cfg, splits)
     if cfg.near_misses:  # training pairs only, like pair_kinds_always: held-out accuracies stay comparable
         pairs["train"] += near_miss_pairs(cfg, splits["train"])
+    calibration, labels = [], []
     if cfg.hard_negatives:
         for split, items in splits.items():
-            pairs[split] += hard_negative_pairs(cfg, tokenizer, items)
+            answers = sample_policy_answers(cfg, tokenizer, items)
+            pairs[split] += failing_answer_pairs(answers)
+            if split == "train" and cfg.calibration_coef > 0:
+                calibration, labels = calibration_pairs(answers)
         log.info("hard negatives (the policy's failing answers): %s",
                  {s: sum(p.violation == HARD_NEGATIVE for p in v) for s, v in pairs.items()})
     for split, path in (("train", cfg.train_file), ("validation", cfg.validation_file)):
@@ -157,7 +200,13 @@ def load_pairs(cfg: RMConfig, tokenizer, encoder: bool = False) -> dict[str, lis
         pairs.pop("test")  # the suite's test split says nothing about a user's data
     if not pairs["train"]:
         raise UserInputError("no training pairs", "--pair_kinds", "allow violation kinds the suite's families produce")
-    return {split: tokenize_pairs(p, tokenizer, cfg.max_length, encoder) for split, p in pairs.items()}
+    tokenized = {split: tokenize_pairs(p, tokenizer, cfg.max_length, encoder) for split, p in pairs.items()}
+    if calibration:  # training rows only: held-out accuracies stay those of preference pairs
+        rows = tokenize_pairs(calibration, tokenizer, cfg.max_length, encoder)
+        tokenized["train"] += [dataclasses.replace(row, labels=label) for row, label in zip(rows, labels)]
+        log.info("calibration rows (two sampled answers each, %.0f %% of the answers pass): %d", 100 *
+                 sum(map(sum, labels)) / (2 * len(labels)), len(rows))
+    return tokenized
 
 
 def padded_scores(model, seqs: list[list[int]], pad_id: int) -> torch.Tensor:
@@ -242,6 +291,7 @@ TRAIN_METRIC_PAIRS = 2000  # the train split's metrics are read on a random samp
 
 def metric_sample(pairs: list[TokenizedPair], split: str, seed: int) -> list[TokenizedPair]:
     """All held-out pairs; a fixed random sample of the (often much larger) train split."""
+    pairs = [p for p in pairs if p.labels is None]  # calibration rows have no preferred answer
     if split != "train" or len(pairs) <= TRAIN_METRIC_PAIRS:
         return pairs
     return random.Random(f"rlhflab.rm.train_metrics:{seed}").sample(pairs, TRAIN_METRIC_PAIRS)
@@ -262,6 +312,36 @@ def use_shared_prefix(cfg: RMConfig, model) -> bool:
     return False
 
 
+def batch_loss(chosen: torch.Tensor, rejected: torch.Tensor, batch: list[TokenizedPair],
+               cfg: RMConfig) -> tuple[torch.Tensor, dict]:
+    """The step's loss over its (B,) chosen and rejected scores, and accuracy / margin of its preference pairs.
+
+    Preference pairs: Bradley-Terry (+ centring, + the pass / fail term). Calibration rows (`labels`): binary
+    cross-entropy of each sampled answer's score as the logit of "passes", against the checker's verdict, so
+    a score says how likely the policy's own answer of that kind is to pass. Both are sums over their rows
+    divided by the batch's rows, so a batch of preference pairs only is the plain mean."""
+    sampled = torch.tensor([p.labels is not None for p in batch], device=chosen.device)  # (B,)
+    preference = ~sampled
+    loss = chosen.sum() * 0.0
+    stats = {"accuracy": math.nan, "margin": math.nan}
+    if preference.any():
+        c, r = chosen[preference], rejected[preference]
+        pair_loss, pair_stats = bradley_terry_loss(c, r, margin=cfg.margin if cfg.margin else None)
+        if cfg.center_rewards_coef > 0:
+            pair_loss = pair_loss + reward_centering_penalty(c, r, cfg.center_rewards_coef)
+        if cfg.pass_fail_coef > 0:
+            pair_loss = pair_loss + cfg.pass_fail_coef * pass_fail_loss(c, r)
+        loss = loss + pair_loss * preference.float().mean()
+        stats = {k: v.item() for k, v in pair_stats.items()}
+    if sampled.any():
+        scores = torch.stack((chosen[sampled], rejected[sampled]), dim=1)  # (S, 2)
+        labels = torch.tensor([p.labels for p in batch if p.labels is not None], dtype=scores.dtype,
+                              device=scores.device)  # (S, 2)
+        bce = F.binary_cross_entropy_with_logits(scores, labels)
+        loss = loss + cfg.calibration_coef * bce * sampled.float().mean()
+    return loss, stats
+
+
 def train_step(wrapped: parallel.Wrapped, optimizer, scheduler, batch: list[TokenizedPair], share: parallel.Share,
                pad_id: int, cfg: RMConfig, shared_prefix: bool) -> dict:
     """One optimiser step on this rank's pairs of the global batch (`share.real` real ones, then padding).
@@ -271,14 +351,10 @@ def train_step(wrapped: parallel.Wrapped, optimizer, scheduler, batch: list[Toke
     chosen, rejected = wrapped(pair_scores, batch, pad_id, cfg.length_chunks, shared_prefix)
     chosen, rejected = chosen[: share.real], rejected[: share.real]  # padding rows carry no weight
     if share.real:
-        loss, stats = bradley_terry_loss(chosen, rejected, margin=cfg.margin if cfg.margin else None)
-        if cfg.center_rewards_coef > 0:
-            loss = loss + reward_centering_penalty(chosen, rejected, cfg.center_rewards_coef)
-        if cfg.pass_fail_coef > 0:
-            loss = loss + cfg.pass_fail_coef * pass_fail_loss(chosen, rejected)
+        loss, stats = batch_loss(chosen, rejected, batch[: share.real], cfg)
         part = loss * share.weight
-        parts = {"loss/rm": part.item(), "rm/accuracy": stats["accuracy"].item() * share.weight,
-                 "rm/margin": stats["margin"].item() * share.weight}
+        parts = {"loss/rm": part.item(), "rm/accuracy": stats["accuracy"] * share.weight,
+                 "rm/margin": stats["margin"] * share.weight}
     else:  # no real pair here: a zero loss still runs backward, as every rank must
         part = chosen.sum() * 0.0
         parts = {"loss/rm": 0.0, "rm/accuracy": 0.0, "rm/margin": 0.0}
