@@ -18,17 +18,21 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 from runcheck import SUITE, WALL_CLOCK, metrics
 from safetensors.torch import load_file
 from tinyhf import save_suite_model
 
+from rlhflab import parallel
 from rlhflab.checkpoint import MARKER
 from rlhflab.checkpoint.folder import complete_checkpoints, load_checkpoint
 from rlhflab.config import STAGES, parse_config
 from rlhflab.errors import UserInputError
 from rlhflab.eval import RunMonitor
+from rlhflab.trainers.online.ranks import check_world, micro_batches
 
 DRIVER = Path(__file__).with_name("online_ranks_driver.py")
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
@@ -237,3 +241,59 @@ def test_an_exception_on_rank_1_ends_rank_0_within_seconds_with_its_message(setu
     assert time.time() - failed_at < 20
     assert "deliberate failure on rank 1 after step 1" in err
     assert not (out / "summary.json").exists()
+
+
+def test_micro_batches_are_one_process_cut_shared_out_in_blocks_with_zero_weight_padding():
+    def cut(rows: int, accumulation: int, world_size: int) -> list[list[tuple[int, list[int], bool]]]:
+        return [[(i, idx.tolist(), real) for i, idx, real in
+                 micro_batches(torch.arange(rows), accumulation, parallel.World(rank, world_size))]
+                for rank in range(world_size)]
+
+    assert cut(8, 1, 1) == [[(0, list(range(8)), True)]]  # one process: its own cut, unchanged
+    assert cut(8, 1, 2) == [[(0, [0, 1, 2, 3], True)], [(1, [4, 5, 6, 7], True)]]  # = 1 process with 2 steps
+    assert cut(8, 3, 2) == [[(0, [0, 1], True), (1, [2, 3], True)], [(2, [4, 5], True), (3, [6, 7], True)]]
+    assert cut(5, 2, 2) == [[(0, [0, 1, 2], True)], [(1, [3, 4], True)]]
+    assert cut(1, 1, 2) == [[(0, [0], True)], [(1, [0], False)]]  # rank 1 repeats row 0 with zero weight
+
+
+def test_a_global_batch_that_does_not_share_out_is_refused_with_sizes_that_do():
+    config = SimpleNamespace(batch_size=12, num_mini_batches=1, gradient_accumulation_steps=1)
+    with pytest.raises(UserInputError, match="3 prompts do not share out over 2 processes.*e.g. 8 or 16"):
+        check_world(config, 4, False, parallel.World(0, 2))
+    with pytest.raises(UserInputError, match="does not divide over 4 processes"):
+        check_world(SimpleNamespace(batch_size=6, num_mini_batches=1, gradient_accumulation_steps=1), 1, False,
+                    parallel.World(0, 4))
+    with pytest.raises(UserInputError, match="micro-batches of 2, which do not hold whole groups of 4"):
+        check_world(SimpleNamespace(batch_size=8, num_mini_batches=2, gradient_accumulation_steps=1), 4, True,
+                    parallel.World(0, 2))
+    check_world(SimpleNamespace(batch_size=16, num_mini_batches=1, gradient_accumulation_steps=1), 4, True,
+                parallel.World(1, 2))  # 4 prompts, micro-batches of 8 answers: fine
+
+
+def test_a_row_samples_the_same_tokens_whichever_process_decodes_it(setup):
+    """Rows 4-7 of a global batch of 8, decoded alone with their BatchPlace, give the tokens the whole batch
+    gives them in one decoding (rows finish at different steps and are dropped as they do)."""
+    from rlhflab import data, models, tasks
+    from rlhflab.rollout.generate import BatchPlace, GenerationSettings, generate
+    from rlhflab.trainers.online.ranks import rollout_generator
+
+    _, policy_dir, _ = setup
+    model = models.load_causal_lm(policy_dir, dtype="float32", device=torch.device("cpu")).eval()
+    tokenizer = models.load_tokenizer(policy_dir)
+    prompts = data.encode_prompts(tokenizer, [i.prompt for i in tasks.sample_items("train", 8, seed=0, split_seed=0)])
+    settings = GenerationSettings(12, True, 1.0)
+
+    def decode(rows: list[list[int]], place: BatchPlace | None, eos: int):
+        return generate(model, rows, pad_id=tokenizer.pad_token_id, eos_id=eos, settings=settings,
+                        generator=rollout_generator(3, 7, "cpu"), place=place)
+
+    # the random tiny model never says EOS: stand in its most sampled token, so rows finish at different steps
+    eos = int(decode(prompts, None, -1).response_ids.flatten().mode().values)
+    whole = decode(prompts, None, eos)
+    part = decode(prompts[4:], BatchPlace(4, 8, max(len(p) for p in prompts)), eos)
+    width = part.response_ids.shape[1]
+    assert torch.equal(part.response_ids, whole.response_ids[4:, :width])
+    assert not whole.response_mask[4:, width:].any()  # nothing real beyond the part's own width
+    assert torch.equal(part.query_ids, whole.query_ids[4:])  # the global batch's prompt padding
+    lengths = whole.response_mask.sum(dim=1)
+    assert len(set(lengths[4:].tolist())) > 1 and lengths.max() == 12  # rows of the part ended at different steps

@@ -58,14 +58,18 @@ def check_world(cfg, group: int, whole_groups: bool, world: parallel.World) -> N
     """Refuse global batches that do not share out: each rank takes whole prompts (with all their answers)."""
     if not world.distributed:
         return
+    if group == 1:
+        parallel.local_batch_size(cfg.batch_size, world, "batch_size")
     prompts = cfg.batch_size // group
     if prompts % world.world_size:
-        fits = [n * group for n in range(world.world_size, prompts + 2 * world.world_size, world.world_size)]
+        step = world.world_size * group
+        lower = prompts // world.world_size * step
         raise UserInputError(
             f"batch_size {cfg.batch_size} is {prompts} prompts x {group} answers, and {prompts} prompts do not "
             f"share out over {world.world_size} processes (each process answers whole prompts: a prompt's answers "
             "stay together for their group statistics)", "--batch_size",
-            f"use a batch_size of a multiple of {world.world_size * group} answers, e.g. {fits[-2]} or {fits[-1]}")
+            f"use a batch_size of a multiple of {step} answers, e.g. "
+            + (f"{lower} or {lower + step}" if lower else f"{step}"))
     if whole_groups:
         step_rows = cfg.batch_size // cfg.num_mini_batches
         micro = math.ceil(step_rows / accumulation_over(cfg.gradient_accumulation_steps, world.world_size))
