@@ -14,9 +14,12 @@ score and the real pass rate can part ways.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
 import time
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -56,6 +59,32 @@ def shared_fields(demo: DemoConfig, stage_cls: type) -> dict:
     names = {n for part in SHARED_PARTS for n in field_names(part)} - {"output_dir", "overwrite"}
     names.add("nonfinite")  # the one CheckpointFields value every stage takes from the demo (save_every differs)
     return {n: getattr(demo, n) for n in names & set(field_names(stage_cls))}
+
+
+class StageClock:
+    """Wall and CPU seconds of each part of the demo (the demo's own clock and its split).
+
+    CPU seconds are this process's, all threads: on a machine others share, wall time grows with
+    their load while CPU time moves much less, so the pair tells a slow machine from a slow demo;
+    the 1-minute load average at start and end says how shared it was."""
+
+    def __init__(self):
+        self.wall: dict[str, float] = {}
+        self.cpu: dict[str, float] = {}
+        self.load_start = os.getloadavg()[0]
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        wall, cpu = time.time(), time.process_time()
+        yield
+        self.wall[name] = self.wall.get(name, 0.0) + time.time() - wall
+        self.cpu[name] = self.cpu.get(name, 0.0) + time.process_time() - cpu
+
+    def summary(self, total_wall: float, total_cpu: float) -> dict:
+        rounded = lambda parts, total: {**{k: round(v, 1) for k, v in parts.items()},  # noqa: E731
+                                        "total": round(total, 1)}
+        return {"wall_time_s": rounded(self.wall, total_wall), "cpu_time_s": rounded(self.cpu, total_cpu),
+                "load_average_1min": {"start": round(self.load_start, 2), "end": round(os.getloadavg()[0], 2)}}
 
 
 def ppo_stage_config(demo: DemoConfig, model_dir: str, out: str, **reward_fields) -> PPOConfig:
@@ -127,13 +156,18 @@ def probe_sft_model(cfg: DemoConfig, run: RunDir, sft_dir: str) -> dict | None:
     return record_start_headroom(model, tokenizer, validation, rewards.CheckerVerifier(), stage, run)
 
 
-def reward_model_stages(cfg: DemoConfig, run: RunDir, sft_dir: str) -> tuple[dict, RunResult, RunResult]:
+def reward_model_stages(cfg: DemoConfig, run: RunDir, sft_dir: str,
+                        clock: StageClock) -> tuple[dict, RunResult, RunResult]:
     """3-5: reward model from the SFT model, its diagnosis, PPO with it as the reward."""
-    rm_result = reward.train(rm_stage_config(cfg, sft_dir, str(run.path / "rm")))
-    diagnosis = diagnose(diagnose_stage_config(cfg, str(rm_result.model_dir), sft_dir, str(run.path / "rm_diagnosis")))
+    with clock("rm"):
+        rm_result = reward.train(rm_stage_config(cfg, sft_dir, str(run.path / "rm")))
+    with clock("rm_diagnosis"):
+        diagnosis = diagnose(diagnose_stage_config(cfg, str(rm_result.model_dir), sft_dir,
+                                                   str(run.path / "rm_diagnosis")))
     ppo_cfg = ppo_stage_config(cfg, sft_dir, str(run.path / "ppo_rm"), reward="model",
                                reward_model=str(rm_result.model_dir), normalize_reward=True)
-    ppo_rm_result = ppo.train(ppo_cfg, monitor=RunMonitor.from_config(ppo_cfg))
+    with clock("ppo_rm"):
+        ppo_rm_result = ppo.train(ppo_cfg, monitor=RunMonitor.from_config(ppo_cfg))
     test = rm_result.summary["pairs"]["test"]
     d = diagnosis.summary["rm_diagnosis"]
     rm_summary = {"test_accuracy": test["accuracy"], "margin": test["margin"],
@@ -163,55 +197,52 @@ def check_later_stages(cfg: DemoConfig) -> None:
 
 
 def run_demo(cfg: DemoConfig) -> RunResult:
-    started = time.time()
+    started, started_cpu = time.time(), time.process_time()
     if cfg.resume:
         raise UserInputError("the demo cannot resume as a whole", "--resume",
                              "resume the stage that stopped: rlhflab sft|rm|ppo --resume latest --output_dir RUN/<stage>")
-    check_later_stages(cfg)
-    run = RunDir(cfg.output_dir or default_run_path("demo"), overwrite=cfg.overwrite, report_to=cfg.report_to)
-    write_config(cfg, run.path / "config.yaml")
-    run.write_versions(cfg.seed)
-    walls, answers, runs, finals = {}, {}, {}, {}
-
-    def timed(name: str, t0: float) -> None:
-        walls[name] = time.time() - t0
+    clock = StageClock()
+    with clock("setup"):
+        check_later_stages(cfg)
+        run = RunDir(cfg.output_dir or default_run_path("demo"), overwrite=cfg.overwrite, report_to=cfg.report_to)
+        write_config(cfg, run.path / "config.yaml")
+        run.write_versions(cfg.seed)
+    answers, runs, finals = {}, {}, {}
 
     # 1. SFT from scratch: builds the tokenizer and tiny model, trains, saves run/sft/model
     sft_values = {n: getattr(cfg, n) for n in field_names(SFTConfig)}
-    sft_result = sft.train(SFTConfig(**{**sft_values, "output_dir": str(run.path / "sft"), "overwrite": True}))
-    timed("sft", started)
+    with clock("sft"):
+        sft_result = sft.train(SFTConfig(**{**sft_values, "output_dir": str(run.path / "sft"), "overwrite": True}))
     sft_dir, runs["sft"] = str(sft_result.model_dir), str(sft_result.run_dir)
-    answers["sft"] = test_answers(run, "sft", sft_dir, cfg)
-    t0 = time.time()
-    headroom = probe_sft_model(cfg, run, sft_dir)
-    timed("headroom", t0)
+    with clock("test_eval"):
+        answers["sft"] = test_answers(run, "sft", sft_dir, cfg)
+    with clock("headroom"):
+        headroom = probe_sft_model(cfg, run, sft_dir)
 
     # 2. PPO from the SFT model, with the task checker as reward
     if cfg.run_ppo:
-        t0 = time.time()
         ppo_cfg = ppo_stage_config(cfg, sft_dir, str(run.path / "ppo"))
-        result = ppo.train(ppo_cfg, monitor=RunMonitor.from_config(ppo_cfg))
-        timed("ppo", t0)
+        with clock("ppo"):
+            result = ppo.train(ppo_cfg, monitor=RunMonitor.from_config(ppo_cfg))
         runs["ppo"], finals["ppo"] = str(result.run_dir), result.summary["final"]
-        answers["ppo"] = test_answers(run, "ppo", result.model_dir, cfg)
+        with clock("test_eval"):
+            answers["ppo"] = test_answers(run, "ppo", result.model_dir, cfg)
 
     # 3-5. reward model -> diagnosis -> PPO with the learned reward (the checker only evaluates)
     rm_summary, rm_scores = {}, {}
     if cfg.run_rm:
-        t0 = time.time()
-        rm_summary, rm_result, result = reward_model_stages(cfg, run, sft_dir)
-        timed("rm_and_ppo_rm", t0)
+        rm_summary, rm_result, result = reward_model_stages(cfg, run, sft_dir, clock)
         runs |= {"rm": str(rm_result.run_dir), "rm_diagnosis": str(run.path / "rm_diagnosis"),
                  "ppo_rm": str(result.run_dir)}
         finals["ppo_rm"] = result.summary["final"]
-        answers["ppo_rm"] = test_answers(run, "ppo_rm", result.model_dir, cfg)
-        # 6. the reward model's view of every model's test answers, beside their pass rates
-        rm_scores = mean_rm_scores(rm_result.model_dir, answers, cfg)
+        with clock("test_eval"):
+            answers["ppo_rm"] = test_answers(run, "ppo_rm", result.model_dir, cfg)
+            # 6. the reward model's view of every model's test answers, beside their pass rates
+            rm_scores = mean_rm_scores(rm_result.model_dir, answers, cfg)
 
     tables = {name: table_from_rows(rows) for name, rows in answers.items()}
     verdict = [line for name, changes in paired_versus_by_family(answers, "sft").items()  # each RL stage vs SFT
                for line in headroom_verdict(headroom, changes, name)] if headroom else []
-    walls["total"] = time.time() - started
     summary = run.update_summary(
         stage="demo",
         test_pass_rate={name: t["overall"] for name, t in tables.items()},
@@ -224,7 +255,7 @@ def run_demo(cfg: DemoConfig) -> RunResult:
         decoding="sampled" if cfg.do_sample else "greedy",
         sft_validation=sft_result.summary.get("validation"),
         parameters=sft_result.summary.get("parameters"),
-        wall_time_s={k: round(v, 1) for k, v in walls.items()},
+        **clock.summary(time.time() - started, time.process_time() - started_cpu),
         runs=runs,
     )
     run.close()
