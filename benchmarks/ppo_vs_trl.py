@@ -68,12 +68,36 @@ VARIANTS = ("rlhflab", "trl", "trl_no_gc")
 # --- the rlhflab child ----------------------------------------------------------------------
 
 
+def tie_sampling_seed() -> None:
+    """rlhflab before 664d07b: token sampling from ONE generator seeded with `seed`, the prompt-order
+    generator's seed (the state issue 16 item 6's 20-seed gap was measured in), instead of a generator of
+    its own per update (trainers/online/ranks.rollout_generator)."""
+    import torch
+
+    from rlhflab.trainers.online import loop
+
+    kept: dict = {}
+
+    def one_generator(seed: int, update: int, device) -> torch.Generator:
+        if "sampler" not in kept:
+            kept["sampler"] = torch.Generator(device=device).manual_seed(seed)
+        return kept["sampler"]
+
+    loop.rollout_generator = one_generator
+
+
+RLHFLAB_PROBES = {"tied_sampling_seed": tie_sampling_seed}
+
+
 def rlhflab_child(spec: dict) -> None:
     """One `rlhflab ppo` run through the Python API; prints one JSON line."""
     import torch
 
     from rlhflab.config import PPOConfig
     from rlhflab.trainers import ppo
+
+    for probe in spec.get("rlhflab_probes", []):
+        RLHFLAB_PROBES[probe]()
 
     s = spec["settings"]
     before = rss_mib()
@@ -343,9 +367,15 @@ def memory_part(assets: Assets, threads: int, run_root: Path, episodes: int = 32
 ARMS = {
     "rlhflab": ("rlhflab", {}),
     "rlhflab value model": ("rlhflab", {"value_mode": "separate"}),  # TRL's design: the `value` asset
+    "rlhflab tied sampling seed": ("rlhflab", {"probes": ["tied_sampling_seed"]}),  # RLHFLAB_PROBES
+    # the critic before 3e04953 (issue 16 item 7): value head at the policy's learning rate, no warm-up
+    "rlhflab old critic": ("rlhflab", {"value_head_learning_rate": SHARED["learning_rate"], "value_warmup_rollouts": 0}),
+    "rlhflab as at the issue": ("rlhflab", {"value_head_learning_rate": SHARED["learning_rate"],
+                                            "value_warmup_rollouts": 0, "probes": ["tied_sampling_seed"]}),
     "TRL": ("trl", []),
     "TRL score at EOS": ("trl", ["score_at_eos"]),
     "TRL value head on trunk": ("trl", ["shared_trunk"]),
+    "TRL zero value head": ("trl", ["zero_value_head"]),
     "TRL rlhflab sampler": ("trl", ["sampler"]),
     "TRL rlhflab scoring": ("trl", ["rescore"]),
     "TRL all four": ("trl", ["score_at_eos", "shared_trunk", "sampler", "rescore"]),
@@ -396,13 +426,15 @@ def seeds_part(assets: Assets, arms: list[str], seeds: list[int], reward: str, r
                      "no_gc": True}
             if "value_mode" in options:  # the child passes the value model's folder with it
                 extra["value_mode"] = options.pop("value_mode")
+            extra["rlhflab_probes"] = options.pop("probes", [])
             r = run_child(side, assets, "full 1 epoch", 1, seed, out,
                           rlhflab_options=options, extra=extra, total_episodes=episodes, save_model=True)
             row = {"arm": arm, "reward": reward, "seed": seed, "episodes": episodes}
             if "failed" in r:
                 print(f"  {arm:<24} seed {seed:2d}: FAILED {r['failed']} (see {out}/stderr.txt)", flush=True)
                 continue
-            row |= {"pass_rate": held_out_pass_rate(r["model_dir"], 1), "episodes_per_s": r["episodes"] / r["seconds"]}
+            row |= {"pass_rate": held_out_pass_rate(r["model_dir"], 1), "episodes_per_s": r["episodes"] / r["seconds"],
+                    "loadavg_1min_after": r["loadavg_1min_after"]}
             shutil.rmtree(r["model_dir"], ignore_errors=True)  # ~the SFT model's size each; the rate is what is kept
             with results_file.open("a") as f:
                 f.write(json.dumps(row) + "\n")

@@ -190,21 +190,28 @@ def install_probes(spec: dict) -> None:
         ppo_trainer.batch_generation = rlhflab_sampler(spec["seed"], eos, s["temperature"], s["response_length"])
 
 
-def value_head_on_trunk(value, policy):
-    """rlhflab's `value_mode=shared`: the value reads the policy's own trunk through a fresh head with zero
-    weights and bias (trainers/online/setup.py); TRL's wrapper then trains the trunk with both losses."""
+def zero_value_head(value):
+    """The value model's `score` head replaced by rlhflab's fresh head: zero weights and bias (V = 0 at the
+    start; TRL's is normal(0, 0.02) without a bias)."""
     import torch
 
-    value.model = policy.model
-    value.score = torch.nn.Linear(policy.config.hidden_size, 1)
+    value.score = torch.nn.Linear(value.config.hidden_size, 1)
     torch.nn.init.zeros_(value.score.weight)
     torch.nn.init.zeros_(value.score.bias)
     return value
 
 
+def value_head_on_trunk(value, policy):
+    """rlhflab's `value_mode=shared`: the value reads the policy's own trunk through a fresh zero head
+    (trainers/online/setup.py); TRL's wrapper then trains the trunk with both losses."""
+    value.model = policy.model
+    return zero_value_head(value)
+
+
 PROBES = {
     "score_at_eos": "score on the EOS token, values trained and bootstrapped up to it (not one position later)",
     "shared_trunk": "value head on the policy's trunk, zero-initialised (rlhflab's value_mode=shared)",
+    "zero_value_head": "the separate value model's head zero-initialised (rlhflab's fresh-head init), own trunk",
     "sampler": "rlhflab's sampler: its KV decoder and own generator; old log-probs from a forward",
     "rescore": "rlhflab's RM scoring: decoded text re-tokenised, EOS appended",
 }
@@ -227,6 +234,8 @@ def build_trainer(spec: dict, out: Path):
     value = AutoModelForSequenceClassification.from_pretrained(spec["value_model"], num_labels=1)
     if "shared_trunk" in spec.get("trl_probes", []):
         value = value_head_on_trunk(value, policy)
+    elif "zero_value_head" in spec.get("trl_probes", []):
+        value = zero_value_head(value)
     prompts = json.loads(Path(spec["prompts"]).read_text())
     train = Dataset.from_dict({"input_ids": prompts})
     config = PPOConfig(

@@ -89,6 +89,9 @@ def run_demo(cfg) -> int:
         print(f"reward model: test pairwise accuracy {rm['test_accuracy']:.1%}, margin {rm['margin']:.2f}; on the SFT "
               f"policy's own answers reward passing {rm['mean_reward_passing']:.2f} vs failing "
               f"{rm['mean_reward_failing']:.2f}, correlation with pass/fail {rm['pass_fail_correlation']:.3f}")
+        if rm.get("recipe_chosen_on"):  # the test split is read once, here; validation chose the recipe
+            print(f"  (its recipe was chosen on the {rm['recipe_chosen_on']} split; validation pairwise accuracy "
+                  f"{rm['validation_accuracy']:.1%} in this run)")
     if summary.get("headroom_verdict"):  # each family's test gain read against the SFT model's headroom
         print("\ngain against headroom (RUN/headroom.json, validation):\n" + "\n".join(summary["headroom_verdict"]))
     if summary.get("compare"):
@@ -97,6 +100,11 @@ def run_demo(cfg) -> int:
         print(format_compare_table(json.loads((compared / "summary.json").read_text())))
         print("\n".join(summary["compare"]["verdict"]))
     print(f"\nrun folder: {result.run_dir}   wall time: {summary['wall_time_s']['total']:.0f} s")
+    parts = {k: v for k, v in summary["wall_time_s"].items() if k not in ("total", "setup")}
+    if summary.get("cpu_time_s"):  # the demo's clock split; CPU seconds and load say how busy the machine was
+        load = summary.get("load_average_1min") or {}
+        print("  " + ", ".join(f"{k} {v:.0f}" for k, v in parts.items()) + f" s; CPU {summary['cpu_time_s']['total']:.0f}"
+              f" s; load average {load.get('start', float('nan')):.1f} -> {load.get('end', float('nan')):.1f}")
     print_report(result.run_dir)
     return 0
 

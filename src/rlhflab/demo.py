@@ -102,7 +102,8 @@ def rm_stage_config(demo: DemoConfig, model_dir: str, out: str) -> RMConfig:
     values = {**shared_fields(demo, RMConfig), "num_epochs": demo.rm_epochs, "hard_negatives": demo.rm_hard_negatives,
               "pair_prompts": demo.rm_pair_prompts, "learning_rate": demo.rm_learning_rate,
               "center_rewards_coef": demo.rm_center_rewards_coef, "pair_kinds_always": demo.rm_pair_kinds_always,
-              "near_misses": demo.rm_near_misses}
+              "near_misses": demo.rm_near_misses, "batch_size": demo.rm_batch_size,
+              "calibration_coef": demo.rm_calibration_coef}
     if demo.rm_config:
         values |= read_yaml_config(demo.rm_config, RMConfig)
     return RMConfig(**{**values, "model": model_dir, "tokenizer": "", "output_dir": out, "overwrite": True})
@@ -156,6 +157,12 @@ def probe_sft_model(cfg: DemoConfig, run: RunDir, sft_dir: str) -> dict | None:
     return record_start_headroom(model, tokenizer, validation, rewards.CheckerVerifier(), stage, run)
 
 
+# The split whose numbers chose the demo's reward-model recipe (DemoConfig rm_* defaults): validation pairwise
+# accuracy and `rlhflab rm diagnose --split validation`; the test split is read once, for the numbers reported
+# (README "Reward model, step by step").
+RM_RECIPE_CHOSEN_ON = "validation"
+
+
 def reward_model_stages(cfg: DemoConfig, run: RunDir, sft_dir: str,
                         clock: StageClock) -> tuple[dict, RunResult, RunResult]:
     """3-5: reward model from the SFT model, its diagnosis, PPO with it as the reward."""
@@ -170,7 +177,9 @@ def reward_model_stages(cfg: DemoConfig, run: RunDir, sft_dir: str,
         ppo_rm_result = ppo.train(ppo_cfg, monitor=RunMonitor.from_config(ppo_cfg))
     test = rm_result.summary["pairs"]["test"]
     d = diagnosis.summary["rm_diagnosis"]
-    rm_summary = {"test_accuracy": test["accuracy"], "margin": test["margin"],
+    rm_summary = {"recipe_chosen_on": RM_RECIPE_CHOSEN_ON,
+                  "validation_accuracy": rm_result.summary["pairs"]["validation"]["accuracy"],
+                  "test_accuracy": test["accuracy"], "margin": test["margin"],
                   "pass_fail_correlation": d["point_biserial"], "roc_auc": d["roc_auc"],
                   "mean_reward_passing": d["mean_reward_passing"], "mean_reward_failing": d["mean_reward_failing"],
                   "normalisation": ppo_rm_result.summary["reward_normalisation"]}
@@ -191,6 +200,9 @@ def check_later_stages(cfg: DemoConfig) -> None:
         RunMonitor.from_config(ppo_cfg)
     if cfg.run_rm:
         rm_stage_config(cfg, placeholder, placeholder)
+        if cfg.rm_calibration_coef and not cfg.rm_hard_negatives:
+            raise UserInputError("the reward model's calibration term reads the SFT policy's sampled answers",
+                                 "--rm_calibration_coef", "keep --rm_hard_negatives >= 1, or set --rm_calibration_coef 0")
         if cfg.rm_diagnosis_samples < 1:
             raise UserInputError(f"rm_diagnosis_samples must be >= 1, not {cfg.rm_diagnosis_samples}",
                                  "--rm_diagnosis_samples", "use 8 (2,400 answers on the default test split)")

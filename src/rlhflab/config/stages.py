@@ -86,7 +86,7 @@ class RMConfig(ParallelFields, CheckpointFields, RunFields, ModelFields, SuiteFi
            "rejected answer against the reference, so the RM learns the policy's own mistakes; 0 = off")
     num_epochs: int = arg(1, "passes over the training pairs (reward models overfit fast)")
     batch_size: int = arg(32, "pairs per optimiser step")
-    length_chunks: int = arg(2, "forward passes per step over the step's sequences sorted by length (less padding, "
+    length_chunks: int = arg(4, "forward passes per step over the step's sequences sorted by length (less padding, "
                                 "same gradient); 1 = one pass")
     shared_prefix: bool = arg(True, "score a pair's chosen and rejected in one row that runs their shared prompt once "
                                     "(Llama / Qwen2 layouts; the same scores, about 40 percent fewer tokens on the suite)")
@@ -137,13 +137,18 @@ class DemoConfig(SFTConfig):
     ppo_learning_rate: float = arg(1e-4, "PPO stages: learning rate")
     ppo_kl_coef: float = arg(0.05, "PPO stages: KL penalty coefficient beta")
     rm_config: str = arg("", "YAML of RMConfig fields for the demo's reward model (e.g. configs/rm_tiny.yaml)")
-    rm_epochs: int = arg(7, "reward model: passes over the pairs")
-    rm_hard_negatives: int = arg(2, "reward model: SFT answers sampled per prompt; the failing ones become rejected answers")
+    rm_epochs: int = arg(3, "reward model: passes over the pairs")
+    rm_batch_size: int = arg(64, "reward model: pairs per optimiser step")
+    rm_hard_negatives: int = arg(2, "reward model: SFT answers sampled per prompt; the failing ones become rejected "
+                                    "answers, all of them calibration rows")
     rm_pair_prompts: int = arg(2400, "reward model: fresh train-pool prompts the pairs are built on")
-    rm_learning_rate: float = arg(3e-4, "reward model: learning rate")
+    rm_learning_rate: float = arg(6e-4, "reward model: learning rate")
     rm_center_rewards_coef: float = arg(0.01, "reward model: reward-centring coefficient (keeps families on one scale)")
-    rm_pair_kinds_always: str = arg("wrong_content", "reward model: kinds every prompt's training pairs include "
-                                                     "(content errors are the ones it finds hardest)")
+    rm_pair_kinds_always: str = arg("wrong_content,reordered_items",
+                                    "reward model: kinds every prompt's training pairs include where its family has "
+                                    "them (content and order errors are the ones it finds hardest)")
+    rm_calibration_coef: float = arg(3.0, "reward model: weight of the calibration term on the SFT policy's own sampled "
+                                          "answers (RMConfig.calibration_coef); 0 = off")
     rm_near_misses: int = arg(0, "reward model: near-miss rejected answers per train prompt (one copied letter changed)")
     rm_diagnosis_samples: int = arg(8, "reward-model diagnosis: answers sampled per test prompt (8 x the default 300 "
                                        "test prompts = 2400 answers)")
