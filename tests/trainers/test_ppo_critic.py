@@ -126,3 +126,21 @@ def test_warm_up_count_survives_a_checkpoint(policy_dir):
     old = {k: v for k, v in algorithm.state_dict().items() if k != "updates"}  # a checkpoint from before the field
     resumed.load_state_dict(old)
     assert resumed.updates == 0
+
+
+def test_a_fresh_value_head_starts_at_zero_and_a_reward_models_score_is_kept(policy_dir, tmp_path):
+    """value_mode=separate from a causal LM: its fresh head is zeroed (V = 0 at the start, as the shared head);
+    from a reward model: the head is the RM's trained score layer, untouched."""
+    roles, _ = build_roles(tiny_cfg(policy_dir, value_mode="separate"))
+    assert roles.value_model.head_source == "fresh"
+    assert torch.count_nonzero(roles.value_model.value_head.summary.weight) == 0
+
+    from rlhflab import models
+    tokenizer = models.load_tokenizer(policy_dir)
+    reward_model = models.build_reward_model_from_causal(policy_dir, tokenizer)
+    with torch.no_grad():
+        reward_model.score.weight.fill_(0.25)
+    models.save_model_folder(tmp_path / "rm", reward_model, tokenizer)
+    roles, _ = build_roles(tiny_cfg(policy_dir, value_mode="separate", value_model=str(tmp_path / "rm")))
+    assert roles.value_model.head_source == "reward_model"
+    assert torch.equal(roles.value_model.value_head.summary.weight, torch.full_like(reward_model.score.weight, 0.25))

@@ -78,6 +78,8 @@ class ValueModel(nn.Module):
         self.backbone = backbone
         hidden_size = backbone.config.get_text_config().hidden_size
         self.value_head = value_head if value_head is not None else ValueHead(hidden_size)
+        # where the head's weights came from: "fresh" (random), "reward_model" (its score layer) or "saved"
+        self.head_source = "fresh" if value_head is None else "given"
 
     @property
     def config(self):
@@ -101,11 +103,13 @@ class ValueModel(nn.Module):
         if head_file.is_file():
             model = cls(AutoModel.from_pretrained(s, **kwargs))
             model.value_head.load_state_dict(load_file(str(head_file)))
+            model.head_source = "saved"
             return model
         if _is_reward_model(config) and getattr(config, "num_labels", None) == 1:
             reward_model = AutoModelForSequenceClassification.from_pretrained(s, **kwargs)
             model = cls(reward_model.base_model)
             if model.init_from_score(reward_model.score):
+                model.head_source = "reward_model"
                 logger.info("%s: value initialised from the reward model (backbone and score head)", s)
             return model
         return cls(AutoModel.from_pretrained(s, **kwargs))
