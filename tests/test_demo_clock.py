@@ -21,3 +21,17 @@ def test_parts_add_up_and_cpu_counts_work_not_sleep():
     assert summary["cpu_time_s"]["eval"] < 0.05 < summary["wall_time_s"]["eval"]  # sleeping costs no CPU
     assert summary["cpu_time_s"]["train"] >= 0.2 and summary["cpu_time_s"]["total"] == 2.0
     assert set(summary["load_average_1min"]) == {"start", "end"}
+
+
+def test_a_finished_child_process_cpu_is_added_to_its_part_and_the_total():
+    import subprocess
+    import sys
+
+    clock = StageClock()
+    subprocess.run([sys.executable, "-c", "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass"],
+                   check=True)
+    clock.add_children_cpu("ppo")
+    clock.add_children_cpu("ppo")  # nothing new finished: nothing added twice
+    summary = clock.summary(total_wall=1.0, total_cpu=0.5)
+    assert 0.3 <= summary["cpu_time_s"]["ppo"] < 1.5
+    assert summary["cpu_time_s"]["total"] == round(0.5 + summary["cpu_time_s"]["ppo"], 1)

@@ -46,8 +46,9 @@ from rlhflab.eval.rm_diagnosis import diagnose
 from rlhflab.errors import UserInputError
 from rlhflab.tracking import RunDir, RunResult, default_run_path
 from rlhflab.trainers import ppo, reward, sft
+from rlhflab.trainers.beside import StageBeside
 from rlhflab.trainers.headroom import headroom_verdict, record_start_headroom
-from rlhflab.trainers.setup import resolve_device
+from rlhflab.trainers.setup import configure_threads, resolve_device
 
 # Parts whose values the demo hands to every stage; other fields keep each stage's own defaults
 # (SFT's learning rate is no PPO learning rate).
@@ -72,6 +73,7 @@ class StageClock:
         self.wall: dict[str, float] = {}
         self.cpu: dict[str, float] = {}
         self.load_start = os.getloadavg()[0]
+        self.children_cpu = 0.0  # CPU seconds of child processes already added
 
     @contextlib.contextmanager
     def __call__(self, name: str) -> Iterator[None]:
@@ -80,17 +82,27 @@ class StageClock:
         self.wall[name] = self.wall.get(name, 0.0) + time.time() - wall
         self.cpu[name] = self.cpu.get(name, 0.0) + time.process_time() - cpu
 
+    def add_children_cpu(self, name: str) -> None:
+        """Add the CPU seconds of the finished child processes (a stage run beside) to part `name` and the total."""
+        import resource  # Unix only, and only needed when a stage ran beside
+
+        usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+        spent = usage.ru_utime + usage.ru_stime - self.children_cpu
+        self.cpu[name] = self.cpu.get(name, 0.0) + spent
+        self.children_cpu += spent
+
     def summary(self, total_wall: float, total_cpu: float) -> dict:
         rounded = lambda parts, total: {**{k: round(v, 1) for k, v in parts.items()},  # noqa: E731
                                         "total": round(total, 1)}
-        return {"wall_time_s": rounded(self.wall, total_wall), "cpu_time_s": rounded(self.cpu, total_cpu),
+        return {"wall_time_s": rounded(self.wall, total_wall),
+                "cpu_time_s": rounded(self.cpu, total_cpu + self.children_cpu),
                 "load_average_1min": {"start": round(self.load_start, 2), "end": round(os.getloadavg()[0], 2)}}
 
 
 def ppo_stage_config(demo: DemoConfig, model_dir: str, out: str, **reward_fields) -> PPOConfig:
     values = {**shared_fields(demo, PPOConfig), "temperature": PPOConfig().temperature}
     values |= {"total_episodes": demo.ppo_total_episodes, "learning_rate": demo.ppo_learning_rate,
-               "kl_coef": demo.ppo_kl_coef, "lr_schedule": "constant",
+               "kl_coef": demo.ppo_kl_coef, "value_mode": demo.ppo_value_mode, "lr_schedule": "constant",
                "headroom_samples": 0}  # the demo probes the SFT model once (probe_sft_model), not once per PPO stage
     if demo.ppo_config:
         values |= read_yaml_config(demo.ppo_config, PPOConfig)
@@ -163,18 +175,38 @@ def probe_sft_model(cfg: DemoConfig, run: RunDir, sft_dir: str) -> dict | None:
 RM_RECIPE_CHOSEN_ON = "validation"
 
 
-def reward_model_stages(cfg: DemoConfig, run: RunDir, sft_dir: str,
-                        clock: StageClock) -> tuple[dict, RunResult, RunResult]:
-    """3-5: reward model from the SFT model, its diagnosis, PPO with it as the reward."""
+def side_by_side(cfg: DemoConfig) -> bool:
+    """Whether the checker's PPO stage runs in a second process beside the RM's later stages (DemoConfig
+    stages_side_by_side): only on a CPU, with every core asked for and at least two of them."""
+    return (cfg.stages_side_by_side and cfg.run_ppo and cfg.run_rm and cfg.threads == 0
+            and (os.cpu_count() or 1) >= 2 and resolve_device(cfg.device).type == "cpu")
+
+
+def reward_model_stages(cfg: DemoConfig, run: RunDir, sft_dir: str, clock: StageClock,
+                        checker_ppo: PPOConfig | None = None) -> tuple[dict, RunResult, RunResult, StageBeside | None]:
+    """3-5: reward model from the SFT model, its diagnosis, PPO with it as the reward. With `checker_ppo`,
+    that stage starts in a second process once the reward model is trained (it needs every core until
+    then) and the diagnosis and the RM's PPO take one thread here; the caller waits for it."""
     with clock("rm"):
         rm_result = reward.train(rm_stage_config(cfg, sft_dir, str(run.path / "rm")))
-    with clock("rm_diagnosis"):
-        diagnosis = diagnose(diagnose_stage_config(cfg, str(rm_result.model_dir), sft_dir,
-                                                   str(run.path / "rm_diagnosis")))
-    ppo_cfg = ppo_stage_config(cfg, sft_dir, str(run.path / "ppo_rm"), reward="model",
-                               reward_model=str(rm_result.model_dir), normalize_reward=True)
-    with clock("ppo_rm"):
-        ppo_rm_result = ppo.train(ppo_cfg, monitor=RunMonitor.from_config(ppo_cfg))
+    beside, here = None, cfg
+    if checker_ppo is not None:
+        beside = StageBeside("ppo", dataclasses.replace(checker_ppo, threads=1), run.path / "ppo.log")
+        here = dataclasses.replace(cfg, threads=1)
+    try:
+        with clock("rm_diagnosis"):
+            diagnosis = diagnose(diagnose_stage_config(here, str(rm_result.model_dir), sft_dir,
+                                                       str(run.path / "rm_diagnosis")))
+        ppo_cfg = ppo_stage_config(here, sft_dir, str(run.path / "ppo_rm"), reward="model",
+                                   reward_model=str(rm_result.model_dir), normalize_reward=True)
+        with clock("ppo_rm"):
+            ppo_rm_result = ppo.train(ppo_cfg, monitor=RunMonitor.from_config(ppo_cfg))
+    except BaseException:
+        if beside is not None:
+            beside.stop()
+        raise
+    finally:
+        configure_threads(cfg.threads)  # the stages above may have taken one thread
     test = rm_result.summary["pairs"]["test"]
     d = diagnosis.summary["rm_diagnosis"]
     rm_summary = {"recipe_chosen_on": RM_RECIPE_CHOSEN_ON,
@@ -183,7 +215,7 @@ def reward_model_stages(cfg: DemoConfig, run: RunDir, sft_dir: str,
                   "pass_fail_correlation": d["point_biserial"], "roc_auc": d["roc_auc"],
                   "mean_reward_passing": d["mean_reward_passing"], "mean_reward_failing": d["mean_reward_failing"],
                   "normalisation": ppo_rm_result.summary["reward_normalisation"]}
-    return rm_summary, rm_result, ppo_rm_result
+    return rm_summary, rm_result, ppo_rm_result, beside
 
 
 def check_later_stages(cfg: DemoConfig) -> None:
@@ -231,22 +263,30 @@ def run_demo(cfg: DemoConfig) -> RunResult:
     with clock("headroom"):
         headroom = probe_sft_model(cfg, run, sft_dir)
 
-    # 2. PPO from the SFT model, with the task checker as reward
-    if cfg.run_ppo:
-        ppo_cfg = ppo_stage_config(cfg, sft_dir, str(run.path / "ppo"))
+    # 2. PPO from the SFT model, with the task checker as reward (here, or beside steps 4-5)
+    checker_ppo = ppo_stage_config(cfg, sft_dir, str(run.path / "ppo")) if cfg.run_ppo else None
+    beside = side_by_side(cfg)
+    if checker_ppo is not None and not beside:
         with clock("ppo"):
-            result = ppo.train(ppo_cfg, monitor=RunMonitor.from_config(ppo_cfg))
-        runs["ppo"], finals["ppo"] = str(result.run_dir), result.summary["final"]
-        with clock("test_eval"):
-            answers["ppo"] = test_answers(run, "ppo", result.model_dir, cfg)
+            ppo_result = ppo.train(checker_ppo, monitor=RunMonitor.from_config(checker_ppo))
 
     # 3-5. reward model -> diagnosis -> PPO with the learned reward (the checker only evaluates)
     rm_summary, rm_scores = {}, {}
     if cfg.run_rm:
-        rm_summary, rm_result, result = reward_model_stages(cfg, run, sft_dir, clock)
+        rm_summary, rm_result, result, process = reward_model_stages(cfg, run, sft_dir, clock,
+                                                                     checker_ppo if beside else None)
         runs |= {"rm": str(rm_result.run_dir), "rm_diagnosis": str(run.path / "rm_diagnosis"),
                  "ppo_rm": str(result.run_dir)}
         finals["ppo_rm"] = result.summary["final"]
+        if process is not None:
+            with clock("ppo"):  # the part of the second process's run not hidden behind steps 4-5
+                ppo_result = process.wait()
+            clock.add_children_cpu("ppo")
+    if checker_ppo is not None:
+        runs["ppo"], finals["ppo"] = str(ppo_result.run_dir), ppo_result.summary["final"]
+        with clock("test_eval"):
+            answers["ppo"] = test_answers(run, "ppo", ppo_result.model_dir, cfg)
+    if cfg.run_rm:
         with clock("test_eval"):
             answers["ppo_rm"] = test_answers(run, "ppo_rm", result.model_dir, cfg)
             # 6. the reward model's view of every model's test answers, beside their pass rates
@@ -268,6 +308,7 @@ def run_demo(cfg: DemoConfig) -> RunResult:
         sft_validation=sft_result.summary.get("validation"),
         parameters=sft_result.summary.get("parameters"),
         **clock.summary(time.time() - started, time.process_time() - started_cpu),
+        side_by_side={"ppo": ppo_result.summary["wall_time_s"]["total"]} if beside and checker_ppo else {},
         runs=runs,
     )
     run.close()

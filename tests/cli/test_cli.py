@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -29,7 +30,9 @@ def demo_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo") / "run"
     ppo_yaml = out.parent / "ppo_tiny.yaml"
     ppo_yaml.write_text("batch_size: 8\nnum_mini_batches: 2\nresponse_length: 8\neval_prompts: 4\n")
-    proc = rlhflab("demo", "--out", str(out), *TINY_DEMO, "--ppo_total_episodes", "16", "--ppo_config", str(ppo_yaml))
+    # --threads 0 (all cores, the default): on >= 2 cores the checker's PPO runs beside the RM's stages
+    proc = rlhflab("demo", "--out", str(out), *TINY_DEMO, "--ppo_total_episodes", "16", "--ppo_config", str(ppo_yaml),
+                   "--threads", "0")
     assert proc.returncode == 0, proc.stderr
     return out, proc
 
@@ -64,6 +67,24 @@ def test_demo_prints_the_pass_rate_table_and_writes_a_full_run_folder(demo_run):
         assert "step" in json.loads(line)
     versions = json.loads((out / "versions.json").read_text())
     assert {"python", "torch", "transformers", "peft", "rlhflab", "platform", "cpu"} <= set(versions)
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="stages run side by side only on >= 2 cores")
+def test_the_checker_ppo_ran_beside_as_configured_and_gives_the_same_model_as_here(demo_run, tmp_path):
+    from safetensors.torch import load_file
+
+    from rlhflab.config import PPOConfig, read_yaml_config
+    from rlhflab.trainers import ppo
+
+    out, proc = demo_run
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["side_by_side"]["ppo"] > 0 and summary["cpu_time_s"]["ppo"] > 0  # the child's CPU is counted
+    assert "val/pass_rate" in (out / "ppo" / "metrics.jsonl").read_text() and (out / "ppo.log").is_file()
+    fields = read_yaml_config(str(out / "ppo.yaml"), PPOConfig)
+    assert fields["threads"] == 1 and fields["value_mode"] == "separate" and fields["output_dir"] == str(out / "ppo")
+    again = ppo.train(PPOConfig(**{**fields, "output_dir": str(tmp_path / "ppo")}))
+    theirs, ours = load_file(out / "ppo" / "model" / "model.safetensors"), load_file(again.model_dir / "model.safetensors")
+    assert theirs.keys() == ours.keys() and all(torch.equal(theirs[k], ours[k]) for k in theirs)
 
 
 def test_demo_model_folder_loads_with_plain_transformers(demo_run):
