@@ -1,10 +1,11 @@
 """A trainable (or frozen) model wrapped by the engine a strategy names: none, DDP, FSDP2, DeepSpeed.
 
     wrapped = parallel.wrap_model(model, world, cfg.parallel_strategy)
-    optimizer = make_optimizer(wrapped.model.parameters(), cfg)      # after wrapping (FSDP2 swaps params)
-    with wrapped.sync(last_micro_batch):
-        loss_part = wrapped(completion_loss_sum, batch) / global_tokens   # fn(model, ...) through the engine
+    optimizer = wrapped.prepare(make_optimizer(wrapped.model.parameters(), cfg), cfg.max_grad_norm)
+    with wrapped.sync(last_micro_batch):                   # ^ after wrapping (FSDP2 swaps params, DeepSpeed
+        loss_part = wrapped(completion_loss_sum, batch) / global_tokens   # builds its engine around AdamW)
         wrapped.backward(loss_part)                                        # sum over ranks = the global loss
+    if wrapped.steps_itself: grad_norm = wrapped.step()                   # DeepSpeed: the engine clips and steps
     with wrapped.gathered() as plain:                                      # rank 0: a plain model, else None
         ...evaluate / save on rank 0...
 
@@ -18,6 +19,9 @@ weights on each rank. Forwards that read whole weights directly (the lean paths 
 run on it: `holds_shards(model)` says when to take the ordinary forward. Rank 0 keeps one plain copy
 of the model for held-out evaluation and the final save (`gathered`): it costs one model's memory
 there, and keeps evaluation the single-process one, bit for bit.
+
+DeepSpeed ZeRO-2 / ZeRO-3 (parallel/deepspeed_engine.py) wraps the same `_Forward`; ZeRO-3 partitions the
+weights, so rank 0 keeps a plain copy there too. Its engine clips and steps the optimiser itself (`step`).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import copy
 import importlib.util
 import logging
 import os
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -51,7 +56,8 @@ class Layout:
 
     @property
     def sharded(self) -> bool:
-        """Each rank holds only part of the weights and optimiser state (saved through torch.distributed.checkpoint)."""
+        """Each rank holds only part of the optimiser state (and FSDP2 / ZeRO-3: of the weights): each rank saves
+        its own (torch.distributed.checkpoint, or DeepSpeed's checkpoint)."""
         return self.strategy in ("fsdp2", "deepspeed")
 
     def describe(self) -> dict:
@@ -74,9 +80,13 @@ def resolve_strategy(requested: str, world: World) -> str:
     return "ddp"
 
 
+_ZERO3_MODELS: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()  # wrapped for ZeRO-3 (partitioned at `prepare`)
+
+
 def holds_shards(model: nn.Module) -> bool:
-    """Whether the model's parameters are FSDP2 shards (DTensors): then no forward may read whole weights."""
-    return any(type(p).__name__ == "DTensor" for p in model.parameters())
+    """Whether the model's parameters are FSDP2 shards (DTensors) or ZeRO-3 partitions: then no forward may
+    read whole weights."""
+    return model in _ZERO3_MODELS or any(type(p).__name__ == "DTensor" for p in model.parameters())
 
 
 class _Forward(nn.Module):
@@ -105,11 +115,13 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 class Wrapped:
     """A model and the engine around it; see the module doc for the calls a trainer makes."""
 
-    def __init__(self, model: nn.Module, engine: nn.Module, layout: Layout, plain: nn.Module | None = None):
+    def __init__(self, model: nn.Module, engine: nn.Module | None, layout: Layout, plain: nn.Module | None = None,
+                 zero_stage: int = 0):
         self.model = model  # as built: parameter names unchanged (FSDP2: DTensor shards)
-        self.engine = engine  # the wrapped _Forward
+        self.engine = engine  # the wrapped _Forward (DeepSpeed: None until `prepare`)
         self.layout = layout
-        self._plain = plain  # FSDP2, rank 0: an unsharded copy that `gathered` fills
+        self._plain = plain  # FSDP2, ZeRO-3, rank 0: an unsharded copy that `gathered` fills
+        self.zero_stage = zero_stage  # DeepSpeed's ZeRO stage (2 or 3), else 0
 
     @property
     def world(self) -> World:
@@ -119,15 +131,50 @@ class Wrapped:
     def strategy(self) -> str:
         return self.layout.strategy
 
+    @property
+    def same_passes(self) -> bool:
+        """Every rank must run the same forward / backward passes: under FSDP2 and DeepSpeed each is a collective
+        (DDP's no_sync micro-batches communicate nothing, so there ranks may run different counts)."""
+        return self.strategy in ("fsdp2", "deepspeed")
+
+    @property
+    def steps_itself(self) -> bool:
+        """The engine clips and steps the optimiser (DeepSpeed): call `step`, not clip_grad_norm_ / optimizer.step."""
+        return self.strategy == "deepspeed"
+
+    def prepare(self, optimizer: torch.optim.Optimizer, max_grad_norm: float) -> torch.optim.Optimizer:
+        """The optimiser to schedule and checkpoint. DeepSpeed builds its engine around it here (ZeRO
+        partitions its state; clipping at `max_grad_norm` happens inside `step`); other strategies: as is."""
+        if self.strategy == "deepspeed":
+            from rlhflab.parallel import deepspeed_engine
+
+            self.engine = deepspeed_engine.initialize(_Forward(self.model), optimizer, self.world, self.zero_stage,
+                                                      max_grad_norm)
+        return optimizer
+
+    def step(self) -> torch.Tensor:
+        """DeepSpeed: clip and step (the engine drops a step whose gradient norm is not finite); the norm before
+        clipping, inf when dropped. Gradients are zeroed for the next step."""
+        from rlhflab.parallel import deepspeed_engine
+
+        self.engine.step()
+        return deepspeed_engine.grad_norm(self.engine)
+
     def __call__(self, fn: Callable, *args, **kwargs):
         """`fn(model, *args, **kwargs)` as a forward of the engine (gradient hooks, shard gathering)."""
+        if self.engine is None:
+            raise RuntimeError("parallel_strategy deepspeed: call wrapped.prepare(optimizer, ...) before a forward")
         return self.engine(fn, *args, **kwargs)
 
     def backward(self, loss_part: torch.Tensor) -> None:
         """Backward of this rank's part of the global loss (the parts sum to it over ranks). The engines
         average gradients over ranks, so the part is scaled by the world size first."""
         scale = self.world.world_size if self.world.distributed else 1
-        (loss_part * scale if scale != 1 else loss_part).backward()
+        loss = loss_part * scale if scale != 1 else loss_part
+        if self.strategy == "deepspeed":
+            self.engine.backward(loss, scale_wrt_gas=False)  # the trainer normalised by the whole step already
+        else:
+            loss.backward()
 
     @contextlib.contextmanager
     def sync(self, enabled: bool = True) -> Iterator[None]:
@@ -144,26 +191,61 @@ class Wrapped:
                 yield
             finally:
                 self.engine.set_requires_gradient_sync(True)
-        else:  # deepspeed accumulates through its own engine
-            yield
+        else:  # deepspeed: the engine reduces and steps at the backward marked as the step's last
+            self.engine.set_gradient_accumulation_boundary(False)
+            try:
+                yield
+            finally:
+                self.engine.set_gradient_accumulation_boundary(True)
 
     @contextlib.contextmanager
     def gathered(self, all_ranks: bool = False) -> Iterator[nn.Module | None]:
         """Rank 0: a plain (unwrapped, whole-weight) model holding the current weights; other ranks: None.
         Every rank must enter it (FSDP2 gathers the shards here). `all_ranks`: every rank gets one (FSDP2:
         only when wrapped with `plain_on_every_rank`), e.g. for every rank to generate from."""
-        if self.strategy != "fsdp2":
+        if self.strategy not in ("fsdp2", "deepspeed") or self.zero_stage == 2:  # whole weights on every rank
             yield self.model if self.world.is_main or all_ranks else None
             return
-        from rlhflab.parallel.state import full_model_state
-
-        full = full_model_state(self.model, every_rank=all_ranks)  # collective; whole on rank 0 (or on every rank)
+        full = self._whole_state(all_ranks)  # collective; whole on rank 0 (or on every rank)
         if self._plain is None or not (self.world.is_main or all_ranks):
             yield None
             return
         self._plain.load_state_dict(full)
         self._plain.train(self.model.training)
         yield self._plain
+
+    def _whole_state(self, all_ranks: bool) -> dict[str, torch.Tensor]:
+        if self.strategy == "fsdp2":
+            from rlhflab.parallel.state import full_model_state
+
+            return full_model_state(self.model, every_rank=all_ranks)
+        if all_ranks:
+            raise RuntimeError("ZeRO-3 gathers whole weights on rank 0 only")  # the online stages are refused
+        from rlhflab.parallel import deepspeed_engine
+
+        return deepspeed_engine.whole_state(self.engine, self.zero_stage) or {}
+
+    def save_sharded(self, optimizer: torch.optim.Optimizer, folder) -> None:
+        """Every rank writes its part of the trainable weights and optimiser state into `folder` (a collective)."""
+        if self.strategy == "deepspeed":
+            from rlhflab.parallel import deepspeed_engine
+
+            deepspeed_engine.save_state(self.engine, folder)
+            return
+        from rlhflab.parallel.state import save_sharded
+
+        save_sharded(self.model, optimizer, folder)
+
+    def load_sharded(self, optimizer: torch.optim.Optimizer, folder) -> None:
+        """`save_sharded`'s folder back, on every rank, into a model wrapped (and prepared) the same way."""
+        if self.strategy == "deepspeed":
+            from rlhflab.parallel import deepspeed_engine
+
+            deepspeed_engine.load_state(self.engine, folder)
+            return
+        from rlhflab.parallel.state import load_sharded
+
+        load_sharded(self.model, optimizer, folder)
 
 
 def _broadcast_parameters(model: nn.Module) -> None:
@@ -197,15 +279,30 @@ def require_deepspeed() -> None:
     if importlib.util.find_spec("deepspeed") is None:
         raise UserInputError("parallel_strategy deepspeed needs the deepspeed package, which is not installed",
                              "--parallel_strategy deepspeed",
-                             "pip install 'rlhflab[deepspeed]' (CUDA machines), or use fsdp2: torch's own sharding "
+                             "pip install 'rlhflab[deepspeed]', or use fsdp2: torch's own sharding "
                              "of weights, gradients and optimiser state, ZeRO-3's equivalent")
+
+
+def _deepspeed(model: nn.Module, world: World, layout: Layout) -> Wrapped:
+    """A DeepSpeed Wrapped without its engine yet (`prepare` builds it around the optimiser)."""
+    from rlhflab.parallel import deepspeed_engine
+
+    require_deepspeed()
+    deepspeed_engine.check_launch_settings()
+    stage = deepspeed_engine.zero_stage()
+    plain = None
+    if stage == 3:  # ZeRO-3 partitions the weights: rank 0 keeps a plain copy to evaluate and save
+        _ZERO3_MODELS.add(model)
+        plain = copy.deepcopy(model) if world.is_main else None
+    return Wrapped(model, None, layout, plain, zero_stage=stage)
 
 
 def wrap_model(model: nn.Module, world: World, strategy: str = "auto",
                plain_on_every_rank: bool = False) -> Wrapped:
     """`model` (already on `world.device`, LoRA applied) wrapped for training by `strategy`; build the
     optimiser afterwards, on `wrapped.model.parameters()`. `plain_on_every_rank` (FSDP2): every rank keeps a
-    whole-weight copy for `gathered(all_ranks=True)` (the online loop generates on every rank)."""
+    whole-weight copy for `gathered(all_ranks=True)` (the online loop generates on every rank).
+    DeepSpeed: the engine is built by `wrapped.prepare(optimizer, max_grad_norm)`."""
     layout = Layout(resolve_strategy(strategy, world), world)
     if layout.strategy == "none":
         return Wrapped(model, _Forward(model), layout)
@@ -214,14 +311,13 @@ def wrap_model(model: nn.Module, world: World, strategy: str = "auto",
     if layout.strategy == "fsdp2":
         engine, plain = _fsdp2(model, world, keep_plain=True, every_rank=plain_on_every_rank)
         return Wrapped(model, engine, layout, plain)
-    require_deepspeed()
-    raise UserInputError("parallel_strategy deepspeed is not wired into the offline trainers yet", "--parallel_strategy",
-                         "use fsdp2 (sharded weights, gradients and optimiser state) or ddp")
+    return _deepspeed(model, world, layout)
 
 
 def wrap_frozen(model: nn.Module, world: World, strategy: str = "auto", shard: bool = True) -> Wrapped:
     """A model that never trains (reference, reward model): under FSDP2 sharded like the policy when
-    `shard` (every rank must then run its forwards in lockstep), else replicated on every rank."""
+    `shard` (every rank must then run its forwards in lockstep), else replicated on every rank (DeepSpeed too:
+    a frozen model has no optimiser state for ZeRO to partition)."""
     model.requires_grad_(False)
     layout = Layout(resolve_strategy(strategy, world), world)
     if layout.strategy == "fsdp2" and shard:

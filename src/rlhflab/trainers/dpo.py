@@ -198,7 +198,8 @@ def train_step(wrapped: parallel.Wrapped, optimizer, scheduler, batch: list[Pref
                 loss, _ = preference_loss(cfg, kept, select(ref, [micro[j] for j in real]) if ref is not None else None)
                 part = loss * (len(real) / share.total)
             else:
-                part = logps.chosen.sum() * 0.0
+                # both outputs, as a real loss: ZeRO-3 fetches weights in backward per output that gets a gradient
+                part = (logps.chosen.sum() + logps.rejected.sum()) * 0.0
             wrapped.backward(part)
         seen.append(SequenceLogps(*(t.detach() for t in logps)))
     # the whole batch's loss and metrics from every rank's log-probs (no second forward)
@@ -208,7 +209,7 @@ def train_step(wrapped: parallel.Wrapped, optimizer, scheduler, batch: list[Pref
         every = SequenceLogps(*(parallel.gather_rows(t, wrapped.world) for t in mine))  # (B,) in batch order
         _, stats = preference_loss(cfg, every, reference)
     grad_norm = clip_and_step(optimizer, scheduler, wrapped.model.parameters(), cfg.max_grad_norm, stats["loss"],
-                              cfg.nonfinite, "DPO")  # None: a non-finite update was dropped (nonfinite=skip)
+                              cfg.nonfinite, "DPO", engine=wrapped)  # None: a non-finite update was dropped
     return {**stats, "grad_norm": math.nan if grad_norm is None else grad_norm.item(), "skipped": grad_norm is None}
 
 
@@ -286,7 +287,7 @@ def train(cfg: DPOConfig, run: RunDir | None = None) -> RunResult:
     packed = cfg.shared_prefix and can_pack(policy) and not parallel.holds_shards(policy)  # packed rows: whole weights
     run, resumed = open_run(cfg, "dpo", wrapped.layout) if run is None else (run, None)
     total, pair_budget = planned_pairs(cfg, len(dpo.train))
-    optimizer = make_optimizer(wrapped.model.parameters(), cfg, fused=True)
+    optimizer = wrapped.prepare(make_optimizer(wrapped.model.parameters(), cfg, fused=True), cfg.max_grad_norm)
     scheduler = make_scheduler(optimizer, cfg, total)
     batches = batch_stream([0] * len(dpo.train), cfg.batch_size, 0, random.Random(cfg.seed))  # lengths unused: no grouping
     log.info("DPO (%s): %d train / %d validation pairs, %d steps x %d pairs%s", cfg.loss_type, len(dpo.train),

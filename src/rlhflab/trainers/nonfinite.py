@@ -13,10 +13,15 @@ import math
 
 import torch
 
+from rlhflab import parallel
+
 
 def clip_and_step(optimizer, scheduler, params, max_grad_norm: float, loss: float, mode: str,
-                  stage: str) -> torch.Tensor | None:
-    """Clip the gradient norm, step AdamW and the LR schedule; the gradient norm, or None when skipped."""
+                  stage: str, engine: parallel.Wrapped | None = None) -> torch.Tensor | None:
+    """Clip the gradient norm, step AdamW and the LR schedule; the gradient norm, or None when skipped.
+    `engine`: the trained model's Wrapped; when it steps itself (DeepSpeed) it clips and steps instead."""
+    if engine is not None and engine.steps_itself:
+        return engine_step(engine, scheduler, loss, mode, stage)
     lr = scheduler.get_last_lr()[0]
     problem = f"non-finite {stage} loss {loss}" if not math.isfinite(loss) else None
     if problem is None:
@@ -36,6 +41,25 @@ def clip_and_step(optimizer, scheduler, params, max_grad_norm: float, loss: floa
     optimizer.zero_grad(set_to_none=True)
     return grad_norm
 
+
+def engine_step(engine: parallel.Wrapped, scheduler, loss: float, mode: str, stage: str) -> torch.Tensor | None:
+    """`clip_and_step` through an engine that clips and steps itself (DeepSpeed). Its norm is known only inside
+    its step, where it drops an update whose norm is not finite (DeepSpeed's overflow rule): that is the skip.
+    A non-finite loss whose gradients are finite is applied there, so it ends the run in either mode."""
+    lr = scheduler.get_last_lr()[0]
+    if not math.isfinite(loss) and mode == "stop":
+        raise FloatingPointError(f"non-finite {stage} loss {loss} at lr {lr:.2e}")
+    grad_norm = engine.step()
+    dropped = not torch.isfinite(grad_norm)
+    if not dropped and math.isfinite(loss):
+        scheduler.step()
+        return grad_norm
+    if mode == "stop":
+        raise FloatingPointError(f"non-finite {stage} gradient norm at lr {lr:.2e}")
+    if not dropped:
+        raise FloatingPointError(f"non-finite {stage} loss {loss} at lr {lr:.2e} with finite gradients: the DeepSpeed "
+                                 "engine applied the update (it drops only non-finite gradients)")
+    return None
 
 
 def guarded_step(train_step, where: str, rows: str, skipped: int, mode: str) -> tuple[dict, int]:

@@ -356,12 +356,12 @@ def train_step(wrapped: parallel.Wrapped, optimizer, scheduler, batch: list[Toke
         parts = {"loss/rm": part.item(), "rm/accuracy": stats["accuracy"] * share.weight,
                  "rm/margin": stats["margin"] * share.weight}
     else:  # no real pair here: a zero loss still runs backward, as every rank must
-        part = chosen.sum() * 0.0
+        part = (chosen.sum() + rejected.sum()) * 0.0  # both outputs: ZeRO-3 fetches weights per output in backward
         parts = {"loss/rm": 0.0, "rm/accuracy": 0.0, "rm/margin": 0.0}
     wrapped.backward(part)
     stats = parallel.sum_metrics(parts, wrapped.world)  # the global batch's
     grad_norm = clip_and_step(optimizer, scheduler, wrapped.model.parameters(), cfg.max_grad_norm, stats["loss/rm"],
-                              cfg.nonfinite, "reward-model")  # None: a non-finite update was dropped (nonfinite=skip)
+                              cfg.nonfinite, "reward-model", engine=wrapped)  # None: update dropped
     return {**stats, "grad_norm": math.nan if grad_norm is None else grad_norm.item(), "skipped": grad_norm is None}
 
 
@@ -379,8 +379,9 @@ def train(cfg: RMConfig, run: RunDir | None = None) -> RunResult:
                              "--average_weights", "use e.g. 0.4 (the last 40 % of the steps) or 0 (off)")
     world = parallel.init_world(cfg.device)
     parallel.local_batch_size(cfg.batch_size, world)  # a batch that does not divide over the ranks is refused
-    if cfg.average_weights and parallel.resolve_strategy(cfg.parallel_strategy, world) == "fsdp2":
-        raise UserInputError("weight averaging keeps whole weights, which FSDP2 shards", "--average_weights",
+    if cfg.average_weights and parallel.resolve_strategy(cfg.parallel_strategy, world) in ("fsdp2", "deepspeed"):
+        raise UserInputError("weight averaging keeps whole weights, which FSDP2 / DeepSpeed shard",
+                             "--average_weights",
                              "use --parallel_strategy ddp, or --average_weights 0")
     configure_threads(world.threads(cfg.threads))
     seed_everything(cfg.seed, cfg.deterministic)
@@ -400,7 +401,7 @@ def train(cfg: RMConfig, run: RunDir | None = None) -> RunResult:
     run, resumed = open_run(cfg, "rm", wrapped.layout) if run is None else (run, None)
     steps_per_epoch = math.ceil(len(pairs["train"]) / cfg.batch_size)
     total = steps_per_epoch * cfg.num_epochs
-    optimizer = make_optimizer(wrapped.model.parameters(), cfg)
+    optimizer = wrapped.prepare(make_optimizer(wrapped.model.parameters(), cfg), cfg.max_grad_norm)
     scheduler = make_scheduler(optimizer, cfg, total)
     rng = random.Random(cfg.seed)
     log.info("reward model: %d train pairs, %d steps", len(pairs["train"]), total)

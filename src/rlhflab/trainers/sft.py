@@ -156,17 +156,18 @@ def train_step(wrapped: parallel.Wrapped, optimizer, scheduler, examples: list[d
         loss_sum += loss.item()
     loss_sum = parallel.total(loss_sum, wrapped.world)  # the global loss on every rank: all agree on a non-finite one
     grad_norm = clip_and_step(optimizer, scheduler, wrapped.model.parameters(), cfg.max_grad_norm, loss_sum,
-                              cfg.nonfinite, "SFT")  # None: a non-finite update was dropped (nonfinite=skip)
+                              cfg.nonfinite, "SFT", engine=wrapped)  # None: a non-finite update was dropped
     return {"loss/sft": loss_sum, "grad_norm": math.nan if grad_norm is None else grad_norm.item(),
             "tokens": total_tokens, "skipped": grad_norm is None}
 
 
-def use_packing(cfg: SFTConfig, model) -> bool:
-    """`cfg.packing` where the model allows it (`models.can_pack_sequences`); says so when it does not."""
+def use_packing(cfg: SFTConfig, model, same_passes: bool = False) -> bool:
+    """`cfg.packing` where the model allows it (`models.can_pack_sequences`); says so when it does not.
+    `same_passes`: every rank must run as many micro-batches (`Wrapped.same_passes`), which packed rows do not."""
     if not cfg.packing:
         return False
-    if parallel.holds_shards(model):  # the packed forward reads whole weights
-        log.info("SFT: FSDP2 shards the weights; sequences are padded, not packed")
+    if parallel.holds_shards(model) or same_passes:  # the packed forward reads whole weights; its rows vary by rank
+        log.info("SFT: every backward is a collective (FSDP2 / DeepSpeed); sequences are padded, not packed")
         return False
     if models.can_pack_sequences(model):
         return True
@@ -248,10 +249,10 @@ def train(cfg: SFTConfig, run: RunDir | None = None) -> RunResult:
     sft_data = load_sft_data(cfg, tokenizer)
     world.check_same(sft_data.train, "the tokenised SFT training data")
     wrapped = parallel.wrap_model(model, world, cfg.parallel_strategy)
-    packing = use_packing(cfg, wrapped.model)
+    packing = use_packing(cfg, wrapped.model, wrapped.same_passes)
     run, resumed = open_run(cfg, "sft", wrapped.layout) if run is None else (run, None)
     order_rng = random.Random(cfg.seed)
-    optimizer = make_optimizer(wrapped.model.parameters(), cfg)
+    optimizer = wrapped.prepare(make_optimizer(wrapped.model.parameters(), cfg), cfg.max_grad_norm)
     scheduler = make_scheduler(optimizer, cfg, cfg.max_steps)
     log.info("SFT: %d train / %d validation sequences, %d steps x %d (%s)", len(sft_data.train),
              len(sft_data.validation), cfg.max_steps, cfg.batch_size, wrapped.layout.describe())

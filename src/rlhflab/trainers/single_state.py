@@ -6,7 +6,8 @@ with the very next batch. `progress` is the trainer's own small dict (step, last
 
 Several processes: rank 0 packs. Under DDP the model is whole on every rank, so its checkpoint is
 the single-process one. Under FSDP2 the trainable weights and their AdamW moments are shards: every
-rank writes its own into `step-N/sharded/` (torch.distributed.checkpoint) and reads them back.
+rank writes its own into `step-N/sharded/` (torch.distributed.checkpoint; DeepSpeed: its own checkpoint of
+its ZeRO slices) and reads them back.
 """
 
 from __future__ import annotations
@@ -36,11 +37,9 @@ def unpack_single(resumed: Resumed, wrapped: parallel.Wrapped, optimizer, schedu
     The optimiser's hyperparameters stay those of the config (see `load_optimiser`)."""
     where = str(resumed.checkpoint / "state.safetensors")
     if wrapped.layout.sharded:
-        from rlhflab.parallel.state import load_sharded
-
         shards = resumed.checkpoint / SHARDED
         load_optimiser(optimizer, scheduler, resumed.state, where,
-                       load_moments=lambda: load_sharded(wrapped.model, optimizer, shards))
+                       load_moments=lambda: wrapped.load_sharded(optimizer, shards))
     else:
         load_trainable_weights({"model": wrapped.model}, resumed.weights, str(resumed.checkpoint / "model.safetensors"))
         load_optimiser(optimizer, scheduler, resumed.state, where)
@@ -51,9 +50,7 @@ def unpack_single(resumed: Resumed, wrapped: parallel.Wrapped, optimizer, schedu
 def checkpointer(run: RunDir, cfg, resumed: Resumed | None, wrapped: parallel.Wrapped, optimizer) -> Checkpointer:
     """The loop's Checkpointer for this layout (a resumed run's own checkpoint is on disk already)."""
     def write_shards(folder: Path) -> None:
-        from rlhflab.parallel.state import save_sharded
-
-        save_sharded(wrapped.model, optimizer, folder)
+        wrapped.save_sharded(optimizer, folder)
 
     return Checkpointer(run.path, cfg.save_every, cfg.keep_last_n, resumed.step if resumed is not None else None,
                         layout=wrapped.layout, write_shards=write_shards if wrapped.layout.sharded else None)

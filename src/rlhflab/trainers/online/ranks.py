@@ -206,6 +206,14 @@ def wrap_roles(roles: PolicyRoles, cfg, world: parallel.World) -> OnlineRanks:
     """Wrap the trained modules (and a resident reference) for `cfg.parallel_strategy`; bind the roles'
     forwards to the engines. One process: nothing is wrapped, the roles run as they always did.
     Call before building the optimiser (FSDP2 replaces the parameters)."""
+    if parallel.resolve_strategy(cfg.parallel_strategy, world) == "deepspeed":
+        # the loop generates from whole weights on every rank and steps its own optimiser: neither is wired to
+        # a DeepSpeed engine (ZeRO-3 gathers whole weights on rank 0 only)
+        raise UserInputError("parallel_strategy deepspeed is wired for sft, rm and dpo, not for the online methods",
+                             "--parallel_strategy deepspeed (or an accelerate DeepSpeed config)",
+                             "use --parallel_strategy fsdp2 (ZeRO-3's sharding of weights, gradients and AdamW "
+                             "state, by torch) or ddp, e.g. accelerate launch --config_file "
+                             "configs/accelerate/fsdp2.yaml")
     device, backend = next(roles.policy.parameters()).device, backend_of(roles.policy)
     trained = parallel.wrap_model(Trained(roles), world, cfg.parallel_strategy, plain_on_every_rank=True)
     reference = None
