@@ -2,10 +2,11 @@
 
     wrapped = parallel.wrap_model(model, world, cfg.parallel_strategy)
     optimizer = wrapped.prepare(make_optimizer(wrapped.model.parameters(), cfg), cfg.max_grad_norm)
-    with wrapped.sync(last_micro_batch):                   # ^ after wrapping (FSDP2 swaps params, DeepSpeed
-        loss_part = wrapped(completion_loss_sum, batch) / global_tokens   # builds its engine around AdamW)
+    #   ^ after wrapping: FSDP2 swaps the parameters, DeepSpeed builds its engine around the AdamW
+    with wrapped.sync(last_micro_batch):
+        loss_part = wrapped(completion_loss_sum, batch) / global_tokens   # fn(model, ...) through the engine
         wrapped.backward(loss_part)                                        # sum over ranks = the global loss
-    if wrapped.steps_itself: grad_norm = wrapped.step()                   # DeepSpeed: the engine clips and steps
+    grad_norm = wrapped.step() if wrapped.steps_itself else ...           # DeepSpeed clips and steps itself
     with wrapped.gathered() as plain:                                      # rank 0: a plain model, else None
         ...evaluate / save on rank 0...
 
