@@ -106,6 +106,7 @@ def test_checkpoints_hold_every_rank_s_zero_slices_and_only_rank_0_writes(runs):
         files = json.loads((last / MARKER).read_text())["files"]
         slices = sorted(f for f in files if f.startswith("sharded/engine/") and "optim_states" in f)
         assert slices == [f"sharded/engine/zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1)], files
+        assert json.loads((last / "sharded" / "zero.json").read_text()) == {"zero_stage": RUNS[name][2]}
         assert load_file(str(last / "model.safetensors")) == {}  # the weights are in the engine's files
 
 

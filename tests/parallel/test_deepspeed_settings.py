@@ -48,6 +48,14 @@ def test_settings_rlhflab_would_ignore_are_refused_with_the_fix(monkeypatch, set
     assert named in str(err.value) and err.value.fix
 
 
+def test_a_checkpoint_of_the_other_zero_stage_is_refused_before_the_engine_reads_it(tmp_path):
+    (tmp_path / "zero.json").write_text('{"zero_stage": 2}')
+    with pytest.raises(UserInputError) as err:
+        deepspeed_engine.load_state(None, tmp_path, stage=3)  # no engine: refused before DeepSpeed is asked
+    assert "holds ZeRO-2 slices; this run is ZeRO-3" in str(err.value)
+    assert "ACCELERATE_DEEPSPEED_ZERO_STAGE=2" in err.value.fix
+
+
 def test_the_online_methods_refuse_deepspeed_and_name_fsdp2(monkeypatch):
     two = parallel.World(rank=0, world_size=2)
     with pytest.raises(UserInputError) as err:

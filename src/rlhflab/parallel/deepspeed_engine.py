@@ -19,6 +19,7 @@ trainers take the padded path with zero-weight rows, as under FSDP2; `holds_shar
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from pathlib import Path
@@ -31,6 +32,7 @@ from rlhflab.parallel.world import World
 
 STAGES = (2, 3)
 _TAG = "engine"  # the one checkpoint DeepSpeed writes into a step's sharded/ folder
+_STAGE_FILE = "zero.json"
 _LAUNCH_FIX = "set zero_stage 2 or 3 in the accelerate config (or ACCELERATE_DEEPSPEED_ZERO_STAGE under torchrun)"
 
 
@@ -105,13 +107,21 @@ def whole_state(engine, stage: int, prefix: str = "model.") -> dict[str, torch.T
     return {name.removeprefix(prefix): tensor for name, tensor in state.items()}
 
 
-def save_state(engine, folder: Path) -> None:
-    """Every rank writes its ZeRO slices of weights and AdamW state (DeepSpeed's own checkpoint) into `folder`."""
+def save_state(engine, folder: Path, stage: int, is_main: bool) -> None:
+    """Every rank writes its ZeRO slices of weights and AdamW state (DeepSpeed's own checkpoint) into `folder`;
+    rank 0 notes the stage beside them (a checkpoint of one stage does not load into the other)."""
     engine.save_checkpoint(str(folder), tag=_TAG, save_latest=False)
+    if is_main:
+        (folder / _STAGE_FILE).write_text(json.dumps({"zero_stage": stage}))
 
 
-def load_state(engine, folder: Path) -> None:
+def load_state(engine, folder: Path, stage: int) -> None:
     """`save_state`'s folder back into an engine built the same way (same stage and processes)."""
+    written = json.loads((folder / _STAGE_FILE).read_text())["zero_stage"]
+    if written != stage:
+        raise UserInputError(f"the checkpoint holds ZeRO-{written} slices; this run is ZeRO-{stage}", str(folder),
+                             f"resume with zero_stage {written} in the accelerate config (or "
+                             f"ACCELERATE_DEEPSPEED_ZERO_STAGE={written} under torchrun)")
     loaded, _ = engine.load_checkpoint(str(folder), tag=_TAG, load_optimizer_states=True,
                                        load_lr_scheduler_states=False)
     if loaded is None:

@@ -34,6 +34,7 @@ import logging
 import os
 import weakref
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
@@ -226,23 +227,23 @@ class Wrapped:
 
         return deepspeed_engine.whole_state(self.engine, self.zero_stage) or {}
 
-    def save_sharded(self, optimizer: torch.optim.Optimizer, folder) -> None:
+    def save_sharded(self, optimizer: torch.optim.Optimizer, folder: Path) -> None:
         """Every rank writes its part of the trainable weights and optimiser state into `folder` (a collective)."""
         if self.strategy == "deepspeed":
             from rlhflab.parallel import deepspeed_engine
 
-            deepspeed_engine.save_state(self.engine, folder)
+            deepspeed_engine.save_state(self.engine, folder, self.zero_stage, self.world.is_main)
             return
         from rlhflab.parallel.state import save_sharded
 
         save_sharded(self.model, optimizer, folder)
 
-    def load_sharded(self, optimizer: torch.optim.Optimizer, folder) -> None:
+    def load_sharded(self, optimizer: torch.optim.Optimizer, folder: Path) -> None:
         """`save_sharded`'s folder back, on every rank, into a model wrapped (and prepared) the same way."""
         if self.strategy == "deepspeed":
             from rlhflab.parallel import deepspeed_engine
 
-            deepspeed_engine.load_state(self.engine, folder)
+            deepspeed_engine.load_state(self.engine, folder, self.zero_stage)
             return
         from rlhflab.parallel.state import load_sharded
 
