@@ -23,15 +23,8 @@ def test_parts_add_up_and_cpu_counts_work_not_sleep():
     assert set(summary["load_average_1min"]) == {"start", "end"}
 
 
-def test_a_finished_child_process_cpu_is_added_to_its_part_and_the_total():
-    import subprocess
-    import sys
-
+def test_cpu_spent_in_a_child_process_is_added_to_its_part_and_the_total():
     clock = StageClock()
-    subprocess.run([sys.executable, "-c", "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass"],
-                   check=True)
-    clock.add_children_cpu("ppo")
-    clock.add_children_cpu("ppo")  # nothing new finished: nothing added twice
+    clock.add_cpu("ppo", 12.25)
     summary = clock.summary(total_wall=1.0, total_cpu=0.5)
-    assert 0.3 <= summary["cpu_time_s"]["ppo"] < 1.5
-    assert summary["cpu_time_s"]["total"] == round(0.5 + summary["cpu_time_s"]["ppo"], 1)
+    assert summary["cpu_time_s"]["ppo"] == 12.2 and summary["cpu_time_s"]["total"] == 12.8

@@ -27,7 +27,7 @@ import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from rlhflab.config import STAGES, field_names, parse_config  # noqa: E402
-from rlhflab.errors import Interrupted, UserInputError  # noqa: E402 (torch-free: `--help` stays fast)
+from rlhflab.errors import Interrupted, StageFailed, UserInputError  # noqa: E402 (torch-free: `--help` stays fast)
 
 USAGE = """usage: rlhflab <stage> [--config FILE.yaml] [--field value ...]
 
@@ -105,6 +105,9 @@ def run_demo(cfg) -> int:
         load = summary.get("load_average_1min") or {}
         print("  " + ", ".join(f"{k} {v:.0f}" for k, v in parts.items()) + f" s; CPU {summary['cpu_time_s']['total']:.0f}"
               f" s; load average {load.get('start', float('nan')):.1f} -> {load.get('end', float('nan')):.1f}")
+    if summary.get("side_by_side"):  # "ppo" above is only the wait after the RM's stages
+        print(f"  the checker's PPO ran in a second process beside rm_diagnosis and ppo_rm: "
+              f"{summary['side_by_side']['ppo']:.0f} s of its own (RUN/ppo.log)")
     print_report(result.run_dir)
     return 0
 
@@ -375,6 +378,9 @@ def run_command(argv: list[str], name: str) -> int:
     except Interrupted as err:  # SIGINT / SIGTERM: the step finished and a checkpoint was written
         print(f"{name}: interrupted: {err}", file=sys.stderr)
         return err.exit_code
+    except StageFailed as err:  # a stage run in a child process stopped (its log has the whole story)
+        print(f"{name}: stopped: {err}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -29,6 +29,10 @@ class UserInputError(ValueError):
         super().__init__(" ".join(parts))
 
 
+class StageFailed(RuntimeError):
+    """A stage run in a child process (the demo's stages side by side) stopped; the message says where its log is."""
+
+
 class Interrupted(Exception):
     """A stop signal arrived; the step in progress finished and `checkpoint` holds the run's state."""
 

@@ -30,9 +30,9 @@ def demo_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo") / "run"
     ppo_yaml = out.parent / "ppo_tiny.yaml"
     ppo_yaml.write_text("batch_size: 8\nnum_mini_batches: 2\nresponse_length: 8\neval_prompts: 4\n")
-    # --threads 0 (all cores, the default): on >= 2 cores the checker's PPO runs beside the RM's stages
+    # --threads 0 (all cores, the default) on a CPU: with >= 2 cores the checker's PPO runs beside the RM's stages
     proc = rlhflab("demo", "--out", str(out), *TINY_DEMO, "--ppo_total_episodes", "16", "--ppo_config", str(ppo_yaml),
-                   "--threads", "0")
+                   "--threads", "0", "--device", "cpu")
     assert proc.returncode == 0, proc.stderr
     return out, proc
 
@@ -69,7 +69,7 @@ def test_demo_prints_the_pass_rate_table_and_writes_a_full_run_folder(demo_run):
     assert {"python", "torch", "transformers", "peft", "rlhflab", "platform", "cpu"} <= set(versions)
 
 
-@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="stages run side by side only on >= 2 cores")
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="stages run side by side only on >= 2 cores")
 def test_the_checker_ppo_ran_beside_as_configured_and_gives_the_same_model_as_here(demo_run, tmp_path):
     from safetensors.torch import load_file
 
@@ -82,9 +82,24 @@ def test_the_checker_ppo_ran_beside_as_configured_and_gives_the_same_model_as_he
     assert "val/pass_rate" in (out / "ppo" / "metrics.jsonl").read_text() and (out / "ppo.log").is_file()
     fields = read_yaml_config(str(out / "ppo.yaml"), PPOConfig)
     assert fields["threads"] == 1 and fields["value_mode"] == "separate" and fields["output_dir"] == str(out / "ppo")
-    again = ppo.train(PPOConfig(**{**fields, "output_dir": str(tmp_path / "ppo")}))
+    threads = torch.get_num_threads()
+    try:
+        again = ppo.train(PPOConfig(**{**fields, "output_dir": str(tmp_path / "ppo")}))
+    finally:
+        torch.set_num_threads(threads)  # the stage set one thread for this process
     theirs, ours = load_file(out / "ppo" / "model" / "model.safetensors"), load_file(again.model_dir / "model.safetensors")
     assert theirs.keys() == ours.keys() and all(torch.equal(theirs[k], ours[k]) for k in theirs)
+
+
+def test_demo_with_one_thread_runs_the_checker_ppo_in_this_process(tmp_path):
+    out, ppo_yaml = tmp_path / "run", tmp_path / "ppo.yaml"
+    ppo_yaml.write_text("batch_size: 8\nresponse_length: 8\neval_prompts: 4\n")
+    proc = rlhflab("demo", "--out", str(out), *TINY_DEMO, "--ppo_total_episodes", "16", "--run_rm", "false",
+                   "--ppo_config", str(ppo_yaml))  # TINY_DEMO: --threads 1
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert set(summary["test_pass_rate"]) == {"sft", "ppo"} and summary["side_by_side"] == {}
+    assert not (out / "ppo.log").exists() and (out / "ppo" / "model" / "model.safetensors").is_file()
 
 
 def test_demo_model_folder_loads_with_plain_transformers(demo_run):

@@ -141,8 +141,9 @@ class DemoConfig(SFTConfig):
                     "explained 0.26-0.60 of the returns' variance at the end of the demo's runs, the head on the "
                     "policy's trunk 0.14-0.39, at the same validation gain and ~15 percent more time")
     stages_side_by_side: bool = arg(True, "on a CPU with >= 2 cores and threads 0 (all), run the checker's PPO stage "
-                                          "in a second process beside the RM diagnosis and the RM's PPO stage, one "
-                                          "thread each (each keeps about one core busy): the same stages and settings in less wall time")
+                                          "in a second process (RUN/ppo.yaml, RUN/ppo.log) beside the RM diagnosis "
+                                          "and the RM's PPO stage, one thread each (a demo-size PPO stage keeps about "
+                                          "one core busy whatever its threads; measured on 2 cores)")
     rm_config: str = arg("", "YAML of RMConfig fields for the demo's reward model (e.g. configs/rm_tiny.yaml)")
     rm_epochs: int = arg(3, "reward model: passes over the pairs")
     rm_batch_size: int = arg(64, "reward model: pairs per optimiser step")

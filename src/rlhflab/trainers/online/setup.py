@@ -107,15 +107,6 @@ def build_roles(cfg: OnlineFields, critic: bool = True) -> tuple[PolicyRoles, ob
     else:  # "lora_adapter" (the config's Literal admits no other value)
         models.add_value_adapter(policy, r=cfg.lora_r, alpha=cfg.lora_alpha)
         value_head = models.ValueHead(hidden).to(device)
-    if value_head is not None:
-        # A fresh head on the policy's own trunk starts at V = 0: a random head's value-loss
-        # gradients reach the shared trunk and knocked the demo's validation pass rate from
-        # 0.57 to 0.40 in the first 10 updates; with a zero head it rose to 0.60-0.66 instead.
-        torch.nn.init.zeros_(value_head.summary.weight)
-    elif value_model is not None and value_model.head_source == "fresh":
-        # The same for a separate value model's fresh head: in benchmarks/ppo_vs_trl.py (checker
-        # reward, 8 seeds) TRL with its random value head reached 0.40 held-out, with a zero one 0.47.
-        torch.nn.init.zeros_(value_model.value_head.summary.weight)
     roles = PolicyRoles(policy, value_mode=value_mode, value_head=value_head, value_model=value_model,
                         reference=reference, load_reference=load_reference, lora=lora,
                         merge_lora_for_generation=cfg.lora_merge_generation)

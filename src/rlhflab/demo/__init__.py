@@ -46,7 +46,7 @@ from rlhflab.eval.rm_diagnosis import diagnose
 from rlhflab.errors import UserInputError
 from rlhflab.tracking import RunDir, RunResult, default_run_path
 from rlhflab.trainers import ppo, reward, sft
-from rlhflab.trainers.beside import StageBeside
+from rlhflab.demo.beside import StageBeside
 from rlhflab.trainers.headroom import headroom_verdict, record_start_headroom
 from rlhflab.trainers.setup import configure_threads, resolve_device
 
@@ -65,7 +65,8 @@ def shared_fields(demo: DemoConfig, stage_cls: type) -> dict:
 class StageClock:
     """Wall and CPU seconds of each part of the demo (the demo's own clock and its split).
 
-    CPU seconds are this process's, all threads: on a machine others share, wall time grows with
+    CPU seconds are this process's, all threads, plus a child process's given to `add_cpu` (a stage run
+    beside the others, counted under its part). On a machine others share, wall time grows with
     their load while CPU time moves much less, so the pair tells a slow machine from a slow demo;
     the 1-minute load average at start and end says how shared it was."""
 
@@ -73,7 +74,7 @@ class StageClock:
         self.wall: dict[str, float] = {}
         self.cpu: dict[str, float] = {}
         self.load_start = os.getloadavg()[0]
-        self.children_cpu = 0.0  # CPU seconds of child processes already added
+        self.elsewhere_cpu = 0.0  # CPU seconds of child processes (add_cpu)
 
     @contextlib.contextmanager
     def __call__(self, name: str) -> Iterator[None]:
@@ -82,20 +83,16 @@ class StageClock:
         self.wall[name] = self.wall.get(name, 0.0) + time.time() - wall
         self.cpu[name] = self.cpu.get(name, 0.0) + time.process_time() - cpu
 
-    def add_children_cpu(self, name: str) -> None:
-        """Add the CPU seconds of the finished child processes (a stage run beside) to part `name` and the total."""
-        import resource  # Unix only, and only needed when a stage ran beside
-
-        usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-        spent = usage.ru_utime + usage.ru_stime - self.children_cpu
-        self.cpu[name] = self.cpu.get(name, 0.0) + spent
-        self.children_cpu += spent
+    def add_cpu(self, name: str, seconds: float) -> None:
+        """CPU seconds spent elsewhere (a stage run in a child process) for part `name` and the total."""
+        self.cpu[name] = self.cpu.get(name, 0.0) + seconds
+        self.elsewhere_cpu += seconds
 
     def summary(self, total_wall: float, total_cpu: float) -> dict:
         rounded = lambda parts, total: {**{k: round(v, 1) for k, v in parts.items()},  # noqa: E731
                                         "total": round(total, 1)}
         return {"wall_time_s": rounded(self.wall, total_wall),
-                "cpu_time_s": rounded(self.cpu, total_cpu + self.children_cpu),
+                "cpu_time_s": rounded(self.cpu, total_cpu + self.elsewhere_cpu),
                 "load_average_1min": {"start": round(self.load_start, 2), "end": round(os.getloadavg()[0], 2)}}
 
 
@@ -171,51 +168,78 @@ def probe_sft_model(cfg: DemoConfig, run: RunDir, sft_dir: str) -> dict | None:
 
 # The split whose numbers chose the demo's reward-model recipe (DemoConfig rm_* defaults): validation pairwise
 # accuracy and `rlhflab rm diagnose --split validation`; the test split is read once, for the numbers reported
-# (README "Reward model, step by step").
+# (README "Reward model, step by step"). Recorded only when the run used that recipe.
 RM_RECIPE_CHOSEN_ON = "validation"
+RM_RECIPE_FIELDS = ("rm_epochs", "rm_batch_size", "rm_hard_negatives", "rm_pair_prompts", "rm_learning_rate",
+                    "rm_center_rewards_coef", "rm_pair_kinds_always", "rm_calibration_coef", "rm_near_misses")
+
+
+def recipe_chosen_on(cfg: DemoConfig) -> str | None:
+    """The split that chose this run's reward-model recipe: validation for the demo's defaults, unknown otherwise."""
+    defaults = DemoConfig()
+    same = not cfg.rm_config and all(getattr(cfg, f) == getattr(defaults, f) for f in RM_RECIPE_FIELDS)
+    return RM_RECIPE_CHOSEN_ON if same else None
+
+
+def cores() -> int:
+    """CPU cores this process may run on (its affinity, not the machine's count)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def side_by_side(cfg: DemoConfig) -> bool:
     """Whether the checker's PPO stage runs in a second process beside the RM's later stages (DemoConfig
     stages_side_by_side): only on a CPU, with every core asked for and at least two of them."""
-    return (cfg.stages_side_by_side and cfg.run_ppo and cfg.run_rm and cfg.threads == 0
-            and (os.cpu_count() or 1) >= 2 and resolve_device(cfg.device).type == "cpu")
+    return (cfg.stages_side_by_side and cfg.run_ppo and cfg.run_rm and cfg.threads == 0 and cores() >= 2
+            and resolve_device(cfg.device).type == "cpu")
 
 
-def reward_model_stages(cfg: DemoConfig, run: RunDir, sft_dir: str, clock: StageClock,
-                        checker_ppo: PPOConfig | None = None) -> tuple[dict, RunResult, RunResult, StageBeside | None]:
-    """3-5: reward model from the SFT model, its diagnosis, PPO with it as the reward. With `checker_ppo`,
-    that stage starts in a second process once the reward model is trained (it needs every core until
-    then) and the diagnosis and the RM's PPO take one thread here; the caller waits for it."""
-    with clock("rm"):
-        rm_result = reward.train(rm_stage_config(cfg, sft_dir, str(run.path / "rm")))
-    beside, here = None, cfg
-    if checker_ppo is not None:
-        beside = StageBeside("ppo", dataclasses.replace(checker_ppo, threads=1), run.path / "ppo.log")
-        here = dataclasses.replace(cfg, threads=1)
-    try:
-        with clock("rm_diagnosis"):
-            diagnosis = diagnose(diagnose_stage_config(here, str(rm_result.model_dir), sft_dir,
-                                                       str(run.path / "rm_diagnosis")))
-        ppo_cfg = ppo_stage_config(here, sft_dir, str(run.path / "ppo_rm"), reward="model",
-                                   reward_model=str(rm_result.model_dir), normalize_reward=True)
-        with clock("ppo_rm"):
-            ppo_rm_result = ppo.train(ppo_cfg, monitor=RunMonitor.from_config(ppo_cfg))
-    except BaseException:
-        if beside is not None:
-            beside.stop()
-        raise
-    finally:
-        configure_threads(cfg.threads)  # the stages above may have taken one thread
+def rm_later_stages(cfg: DemoConfig, run: RunDir, sft_dir: str, rm_result: RunResult,
+                    clock: StageClock) -> tuple[dict, RunResult]:
+    """4-5: the reward model's diagnosis on the SFT policy's answers, PPO with it as the reward."""
+    with clock("rm_diagnosis"):
+        diagnosis = diagnose(diagnose_stage_config(cfg, str(rm_result.model_dir), sft_dir,
+                                                   str(run.path / "rm_diagnosis")))
+    ppo_cfg = ppo_stage_config(cfg, sft_dir, str(run.path / "ppo_rm"), reward="model",
+                               reward_model=str(rm_result.model_dir), normalize_reward=True)
+    with clock("ppo_rm"):
+        ppo_rm_result = ppo.train(ppo_cfg, monitor=RunMonitor.from_config(ppo_cfg))
     test = rm_result.summary["pairs"]["test"]
     d = diagnosis.summary["rm_diagnosis"]
-    rm_summary = {"recipe_chosen_on": RM_RECIPE_CHOSEN_ON,
+    rm_summary = {"recipe_chosen_on": recipe_chosen_on(cfg),
                   "validation_accuracy": rm_result.summary["pairs"]["validation"]["accuracy"],
                   "test_accuracy": test["accuracy"], "margin": test["margin"],
                   "pass_fail_correlation": d["point_biserial"], "roc_auc": d["roc_auc"],
                   "mean_reward_passing": d["mean_reward_passing"], "mean_reward_failing": d["mean_reward_failing"],
                   "normalisation": ppo_rm_result.summary["reward_normalisation"]}
-    return rm_summary, rm_result, ppo_rm_result, beside
+    return rm_summary, ppo_rm_result
+
+
+def rl_stages(cfg: DemoConfig, run: RunDir, sft_dir: str, clock: StageClock) -> dict:
+    """2-5: PPO with the checker; reward model -> diagnosis -> PPO with the learned reward. Side by side
+    (side_by_side), the checker's PPO starts in a second process once the reward model is trained (which
+    needs every core) and the diagnosis and the RM's PPO take one thread here meanwhile."""
+    out = {}
+    checker_ppo = ppo_stage_config(cfg, sft_dir, str(run.path / "ppo")) if cfg.run_ppo else None
+    beside = side_by_side(cfg)
+    if checker_ppo is not None and not beside:
+        with clock("ppo"):
+            out["ppo"] = ppo.train(checker_ppo, monitor=RunMonitor.from_config(checker_ppo))
+    if not cfg.run_rm:
+        return out
+    with clock("rm"):
+        out["rm"] = reward.train(rm_stage_config(cfg, sft_dir, str(run.path / "rm")))
+    child = StageBeside("ppo", dataclasses.replace(checker_ppo, threads=1), run.path / "ppo.log") if beside else None
+    with child or contextlib.nullcontext():  # the child is stopped if anything here fails
+        try:
+            here = dataclasses.replace(cfg, threads=1) if child else cfg
+            out["rm_summary"], out["ppo_rm"] = rm_later_stages(here, run, sft_dir, out["rm"], clock)
+        finally:
+            configure_threads(cfg.threads)  # the stages above may have taken one thread
+        if child:
+            with clock("ppo"):  # the part of the second process's run not hidden behind steps 4-5
+                out["ppo"] = child.wait()
+            clock.add_cpu("ppo", child.cpu_seconds)
+    return out
 
 
 def check_later_stages(cfg: DemoConfig) -> None:
@@ -231,10 +255,12 @@ def check_later_stages(cfg: DemoConfig) -> None:
                                  "--ppo_learning_rate, --ppo_kl_coef or a YAML of PPO fields (--ppo_config)") from err
         RunMonitor.from_config(ppo_cfg)
     if cfg.run_rm:
-        rm_stage_config(cfg, placeholder, placeholder)
-        if cfg.rm_calibration_coef and not cfg.rm_hard_negatives:
-            raise UserInputError("the reward model's calibration term reads the SFT policy's sampled answers",
-                                 "--rm_calibration_coef", "keep --rm_hard_negatives >= 1, or set --rm_calibration_coef 0")
+        rm = rm_stage_config(cfg, placeholder, placeholder)  # the effective fields, --rm_config included
+        if rm.calibration_coef and not rm.hard_negatives:
+            raise UserInputError("the reward model's calibration term reads the SFT policy's sampled answers, but it "
+                                 "samples none (hard_negatives 0)", "--rm_calibration_coef / --rm_hard_negatives",
+                                 "keep --rm_hard_negatives >= 1, or set --rm_calibration_coef 0 (or those fields in "
+                                 "--rm_config)")
         if cfg.rm_diagnosis_samples < 1:
             raise UserInputError(f"rm_diagnosis_samples must be >= 1, not {cfg.rm_diagnosis_samples}",
                                  "--rm_diagnosis_samples", "use 8 (2,400 answers on the default test split)")
@@ -263,34 +289,18 @@ def run_demo(cfg: DemoConfig) -> RunResult:
     with clock("headroom"):
         headroom = probe_sft_model(cfg, run, sft_dir)
 
-    # 2. PPO from the SFT model, with the task checker as reward (here, or beside steps 4-5)
-    checker_ppo = ppo_stage_config(cfg, sft_dir, str(run.path / "ppo")) if cfg.run_ppo else None
-    beside = side_by_side(cfg)
-    if checker_ppo is not None and not beside:
-        with clock("ppo"):
-            ppo_result = ppo.train(checker_ppo, monitor=RunMonitor.from_config(checker_ppo))
-
-    # 3-5. reward model -> diagnosis -> PPO with the learned reward (the checker only evaluates)
-    rm_summary, rm_scores = {}, {}
-    if cfg.run_rm:
-        rm_summary, rm_result, result, process = reward_model_stages(cfg, run, sft_dir, clock,
-                                                                     checker_ppo if beside else None)
-        runs |= {"rm": str(rm_result.run_dir), "rm_diagnosis": str(run.path / "rm_diagnosis"),
-                 "ppo_rm": str(result.run_dir)}
-        finals["ppo_rm"] = result.summary["final"]
-        if process is not None:
-            with clock("ppo"):  # the part of the second process's run not hidden behind steps 4-5
-                ppo_result = process.wait()
-            clock.add_children_cpu("ppo")
-    if checker_ppo is not None:
-        runs["ppo"], finals["ppo"] = str(ppo_result.run_dir), ppo_result.summary["final"]
-        with clock("test_eval"):
-            answers["ppo"] = test_answers(run, "ppo", ppo_result.model_dir, cfg)
-    if cfg.run_rm:
-        with clock("test_eval"):
-            answers["ppo_rm"] = test_answers(run, "ppo_rm", result.model_dir, cfg)
-            # 6. the reward model's view of every model's test answers, beside their pass rates
-            rm_scores = mean_rm_scores(rm_result.model_dir, answers, cfg)
+    # 2-5. PPO with the checker; reward model -> diagnosis -> PPO with the learned reward
+    rl = rl_stages(cfg, run, sft_dir, clock)
+    rm_summary, rm_scores = rl.get("rm_summary", {}), {}
+    for name in ("ppo", "ppo_rm"):
+        if name in rl:
+            runs[name], finals[name] = str(rl[name].run_dir), rl[name].summary["final"]
+            with clock("test_eval"):
+                answers[name] = test_answers(run, name, rl[name].model_dir, cfg)
+    if "rm" in rl:
+        runs |= {"rm": str(rl["rm"].run_dir), "rm_diagnosis": str(run.path / "rm_diagnosis")}
+        with clock("test_eval"):  # 6. the reward model's view of every model's test answers, beside their pass rates
+            rm_scores = mean_rm_scores(rl["rm"].model_dir, answers, cfg)
 
     tables = {name: table_from_rows(rows) for name, rows in answers.items()}
     verdict = [line for name, changes in paired_versus_by_family(answers, "sft").items()  # each RL stage vs SFT
@@ -308,7 +318,7 @@ def run_demo(cfg: DemoConfig) -> RunResult:
         sft_validation=sft_result.summary.get("validation"),
         parameters=sft_result.summary.get("parameters"),
         **clock.summary(time.time() - started, time.process_time() - started_cpu),
-        side_by_side={"ppo": ppo_result.summary["wall_time_s"]["total"]} if beside and checker_ppo else {},
+        side_by_side={"ppo": rl["ppo"].summary["wall_time_s"]["total"]} if side_by_side(cfg) else {},
         runs=runs,
     )
     run.close()
