@@ -191,27 +191,31 @@ def install_probes(spec: dict) -> None:
 
 
 def zero_value_head(value):
-    """The value model's `score` head replaced by rlhflab's fresh head: zero weights and bias (V = 0 at the
-    start; TRL's is normal(0, 0.02) without a bias)."""
+    """The value model's own `score` layer (bias-free, normal(0, 0.02) in TRL's asset) zeroed in place: V = 0 at
+    the start, as rlhflab's fresh heads; nothing else changes."""
     import torch
 
-    value.score = torch.nn.Linear(value.config.hidden_size, 1)
+    torch.nn.init.zeros_(value.score.weight)
+    return value
+
+
+def value_head_on_trunk(value, policy):
+    """rlhflab's `value_mode=shared`: the value reads the policy's own trunk through rlhflab's fresh head, a
+    zero linear layer with a bias (models/value.py ValueHead); TRL's wrapper then trains the trunk with both
+    losses."""
+    import torch
+
+    value.model = policy.model
+    value.score = torch.nn.Linear(policy.config.hidden_size, 1)
     torch.nn.init.zeros_(value.score.weight)
     torch.nn.init.zeros_(value.score.bias)
     return value
 
 
-def value_head_on_trunk(value, policy):
-    """rlhflab's `value_mode=shared`: the value reads the policy's own trunk through a fresh zero head
-    (trainers/online/setup.py); TRL's wrapper then trains the trunk with both losses."""
-    value.model = policy.model
-    return zero_value_head(value)
-
-
 PROBES = {
     "score_at_eos": "score on the EOS token, values trained and bootstrapped up to it (not one position later)",
     "shared_trunk": "value head on the policy's trunk, zero-initialised (rlhflab's value_mode=shared)",
-    "zero_value_head": "the separate value model's head zero-initialised (rlhflab's fresh-head init), own trunk",
+    "zero_value_head": "the value model's own bias-free score layer zeroed in place (V = 0 at the start)",
     "sampler": "rlhflab's sampler: its KV decoder and own generator; old log-probs from a forward",
     "rescore": "rlhflab's RM scoring: decoded text re-tokenised, EOS appended",
 }
