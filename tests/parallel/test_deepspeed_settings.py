@@ -1,6 +1,7 @@
 """parallel_strategy deepspeed without processes (no deepspeed import needed): the launch settings read from
-accelerate's environment, their refusals, the online methods' refusal, and how an engine's own step is turned
-into clip_and_step's outcome (kept / dropped / stopped). The trainings themselves: test_deepspeed.py."""
+accelerate's environment, their refusals, the ZeRO-3 test hook, how a step abandoned half-way is handed to the
+engine, and how an engine's own step is turned into clip_and_step's outcome (kept / dropped / stopped). The
+trainings themselves: test_deepspeed.py and test_deepspeed_online.py."""
 
 import math
 from types import SimpleNamespace
@@ -12,7 +13,6 @@ from rlhflab import parallel
 from rlhflab.errors import UserInputError
 from rlhflab.parallel import deepspeed_engine
 from rlhflab.trainers.nonfinite import clip_and_step
-from rlhflab.trainers.online.ranks import wrap_roles
 
 SETTINGS = ("ACCELERATE_DEEPSPEED_ZERO_STAGE", "ACCELERATE_DEEPSPEED_CONFIG_FILE",
             "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE", "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE")
@@ -56,14 +56,36 @@ def test_a_checkpoint_of_the_other_zero_stage_is_refused_before_the_engine_reads
     assert "ACCELERATE_DEEPSPEED_ZERO_STAGE=2" in err.value.fix
 
 
-def test_the_online_methods_refuse_deepspeed_and_name_fsdp2(monkeypatch):
+def test_zero3_keeps_small_tensors_whole_unless_the_test_hook_sets_the_threshold(monkeypatch):
     two = parallel.World(rank=0, world_size=2)
-    with pytest.raises(UserInputError) as err:
-        wrap_roles(None, SimpleNamespace(parallel_strategy="deepspeed"), two)
-    assert "not for the online methods" in str(err.value) and "fsdp2" in err.value.fix
-    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")  # accelerate launch --config_file zero3.yaml
-    with pytest.raises(UserInputError):
-        wrap_roles(None, SimpleNamespace(parallel_strategy="auto"), two)
+    assert deepspeed_engine.engine_config(two, 3, 1.0)["zero_optimization"] == {"stage": 3}  # DeepSpeed's default
+    monkeypatch.setenv(deepspeed_engine.PERSISTENCE_VARIABLE, "0")
+    assert deepspeed_engine.engine_config(two, 3, 1.0)["zero_optimization"] == {
+        "stage": 3, "stage3_param_persistence_threshold": 0}
+    assert deepspeed_engine.engine_config(two, 2, 1.0)["zero_optimization"] == {"stage": 2}  # ZeRO-3 only
+
+
+class BackwardEngine:
+    """What `Wrapped.drop_step` asks of a DeepSpeed engine: the boundary flag and one backward."""
+
+    def __init__(self):
+        self.boundary, self.losses = False, []
+
+    def set_gradient_accumulation_boundary(self, flag: bool) -> None:
+        self.boundary = flag
+
+    def backward(self, loss: torch.Tensor, scale_wrt_gas: bool = True) -> None:
+        self.losses.append((loss.item(), scale_wrt_gas))
+
+
+def test_a_step_abandoned_half_way_is_handed_to_deepspeed_as_its_last_non_finite_backward():
+    engine = BackwardEngine()
+    wrapped = parallel.Wrapped(torch.nn.Linear(1, 1), engine, parallel.Layout("deepspeed", parallel.World(0, 2)),
+                               zero_stage=2)
+    wrapped.drop_step(torch.tensor(0.5, requires_grad=True))
+    assert engine.boundary and len(engine.losses) == 1 and math.isnan(engine.losses[0][0])  # its step drops it
+    ddp = parallel.Wrapped(torch.nn.Linear(1, 1), None, parallel.Layout("ddp", parallel.World(0, 2)))
+    ddp.drop_step(torch.tensor(float("nan")))  # nothing to clear in the engine: the trainer zeroes .grad
 
 
 class SteppingEngine:

@@ -59,14 +59,22 @@ def check_launch_settings() -> None:
                                  "config", "set it to none; for less memory a process, run more processes")
 
 
+# Test hook: DeepSpeed keeps parameters under 1e5 elements whole on every rank under ZeRO-3 ("persistent"), i.e.
+# every weight of the tests' tiny models; the tests set 0 so that ZeRO-3 partitions them all.
+PERSISTENCE_VARIABLE = "RLHFLAB_ZERO3_PERSISTENCE_THRESHOLD"
+
+
 def engine_config(world: World, stage: int, max_grad_norm: float) -> dict:
     """DeepSpeed's config: one micro-batch per step as far as it knows (the trainer marks the boundary)."""
+    zero: dict = {"stage": stage}
+    if stage == 3 and os.environ.get(PERSISTENCE_VARIABLE, "").isdigit():
+        zero["stage3_param_persistence_threshold"] = int(os.environ[PERSISTENCE_VARIABLE])
     return {
         "train_batch_size": world.world_size,  # DeepSpeed checks micro x accumulation x ranks; it batches nothing
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
         "gradient_clipping": max_grad_norm if max_grad_norm > 0 else 0.0,
-        "zero_optimization": {"stage": stage},
+        "zero_optimization": zero,
         "steps_per_print": 2**31 - 1,  # rlhflab logs its own metrics
         "wall_clock_breakdown": False,
     }
@@ -105,6 +113,28 @@ def whole_state(engine, stage: int, prefix: str = "model.") -> dict[str, torch.T
     if state is None:
         return None
     return {name.removeprefix(prefix): tensor for name, tensor in state.items()}
+
+
+def fill_whole(engine, into: nn.Module, prefix: str = "model.") -> None:
+    """ZeRO-3: `into` (a plain copy of the engine's module, on every rank) takes the whole current weights; each
+    module's partitions are gathered in turn (a collective: every rank calls), so at most one module's whole
+    weights are held beside the copy. Buffers are not partitioned: the copy keeps its own."""
+    targets = dict(into.named_parameters(remove_duplicate=False))
+    for module_name, module in engine.module.named_modules():
+        own = list(module.named_parameters(recurse=False))
+        if not own:
+            continue
+        with gathered_parameters([p for _, p in own], modifier_rank=None), torch.no_grad():
+            for name, param in own:
+                targets[f"{module_name}.{name}".removeprefix(prefix)].copy_(param)
+
+
+def gathered_parameters(params: list[nn.Parameter], modifier_rank: int | None = 0):
+    """ZeRO-3's context in which `params` hold their whole values on every rank; with `modifier_rank`, that
+    rank's changes are partitioned back on exit (a collective on entry and exit)."""
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(params, modifier_rank=modifier_rank)
 
 
 def save_state(engine, folder: Path, stage: int, is_main: bool) -> None:

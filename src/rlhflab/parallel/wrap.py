@@ -22,7 +22,9 @@ of the model for held-out evaluation and the final save (`gathered`): it costs o
 there, and keeps evaluation the single-process one, bit for bit.
 
 DeepSpeed ZeRO-2 / ZeRO-3 (parallel/deepspeed_engine.py) wraps the same `_Forward`; ZeRO-3 partitions the
-weights, so rank 0 keeps a plain copy there too. Its engine clips and steps the optimiser itself (`step`).
+weights, so rank 0 keeps a plain copy there too (every rank with `plain_on_every_rank`, to generate from).
+Its engine clips and steps the optimiser itself (`step`); a step abandoned half-way is handed to it as a
+non-finite one (`drop_step`), which it drops with every gradient accumulated so far.
 """
 
 from __future__ import annotations
@@ -162,6 +164,17 @@ class Wrapped:
         self.engine.step()
         return deepspeed_engine.grad_norm(self.engine)
 
+    def drop_step(self, loss_part: torch.Tensor) -> None:
+        """Every rank, instead of this micro-batch's backward, when the step is abandoned half-way (a non-finite
+        loss): DeepSpeed has reduced the earlier micro-batches' gradients into its own buffers, which only its
+        step clears. A NaN-scaled backward, marked as the step's last, makes every gradient non-finite: the
+        engine's `step` then drops the update and clears those buffers (its overflow rule; `step` returns inf).
+        Other strategies: nothing (the trainer zeroes `.grad` itself)."""
+        if self.strategy != "deepspeed":
+            return
+        self.engine.set_gradient_accumulation_boundary(True)
+        self.backward(loss_part * float("nan"))
+
     def __call__(self, fn: Callable, *args, **kwargs):
         """`fn(model, *args, **kwargs)` as a forward of the engine (gradient hooks, shard gathering)."""
         if self.engine is None:
@@ -208,6 +221,16 @@ class Wrapped:
         if self.strategy not in ("fsdp2", "deepspeed") or self.zero_stage == 2:  # whole weights on every rank
             yield self.model if self.world.is_main or all_ranks else None
             return
+        if self.strategy == "deepspeed" and all_ranks:  # ZeRO-3 on every rank: gathered straight into the copy
+            from rlhflab.parallel import deepspeed_engine
+
+            if self._plain is None:
+                raise RuntimeError("ZeRO-3 gathers whole weights on every rank only when wrapped with "
+                                   "plain_on_every_rank")
+            deepspeed_engine.fill_whole(self.engine, self._plain)  # collective
+            self._plain.train(self.model.training)
+            yield self._plain
+            return
         full = self._whole_state(all_ranks)  # collective; whole on rank 0 (or on every rank)
         if self._plain is None or not (self.world.is_main or all_ranks):
             yield None
@@ -221,11 +244,22 @@ class Wrapped:
             from rlhflab.parallel.state import full_model_state
 
             return full_model_state(self.model, every_rank=all_ranks)
-        if all_ranks:
-            raise RuntimeError("ZeRO-3 gathers whole weights on rank 0 only")  # the online stages are refused
         from rlhflab.parallel import deepspeed_engine
 
         return deepspeed_engine.whole_state(self.engine, self.zero_stage) or {}
+
+    @contextlib.contextmanager
+    def whole_parameters(self, enabled: bool = True) -> Iterator[None]:
+        """Every rank enters: inside, the trained parameters hold their whole values on every rank (ZeRO-3 gathers
+        its partitions; rank 0's changes are partitioned back on exit), e.g. to copy or restore a best policy.
+        Other strategies: a no-op (FSDP2 parameters gather themselves through `full_tensor`)."""
+        if not enabled or self.strategy != "deepspeed" or self.zero_stage != 3:
+            yield
+            return
+        from rlhflab.parallel import deepspeed_engine
+
+        with deepspeed_engine.gathered_parameters([p for p in self.model.parameters() if p.requires_grad]):
+            yield
 
     def save_sharded(self, optimizer: torch.optim.Optimizer, folder: Path) -> None:
         """Every rank writes its part of the trainable weights and optimiser state into `folder` (a collective)."""
@@ -285,7 +319,7 @@ def require_deepspeed() -> None:
                              "of weights, gradients and optimiser state, ZeRO-3's equivalent")
 
 
-def _deepspeed(model: nn.Module, world: World, layout: Layout) -> Wrapped:
+def _deepspeed(model: nn.Module, world: World, layout: Layout, every_rank: bool = False) -> Wrapped:
     """A DeepSpeed Wrapped without its engine yet (`prepare` builds it around the optimiser)."""
     from rlhflab.parallel import deepspeed_engine
 
@@ -293,17 +327,17 @@ def _deepspeed(model: nn.Module, world: World, layout: Layout) -> Wrapped:
     deepspeed_engine.check_launch_settings()
     stage = deepspeed_engine.zero_stage()
     plain = None
-    if stage == 3:  # ZeRO-3 partitions the weights: rank 0 keeps a plain copy to evaluate and save
+    if stage == 3:  # ZeRO-3 partitions the weights: rank 0 (or every rank) keeps a plain copy to evaluate and save
         _ZERO3_MODELS.add(model)
-        plain = copy.deepcopy(model) if world.is_main else None
+        plain = copy.deepcopy(model) if world.is_main or every_rank else None
     return Wrapped(model, None, layout, plain, zero_stage=stage)
 
 
 def wrap_model(model: nn.Module, world: World, strategy: str = "auto",
                plain_on_every_rank: bool = False) -> Wrapped:
     """`model` (already on `world.device`, LoRA applied) wrapped for training by `strategy`; build the
-    optimiser afterwards, on `wrapped.model.parameters()`. `plain_on_every_rank` (FSDP2): every rank keeps a
-    whole-weight copy for `gathered(all_ranks=True)` (the online loop generates on every rank).
+    optimiser afterwards, on `wrapped.model.parameters()`. `plain_on_every_rank` (FSDP2, ZeRO-3): every rank keeps
+    a whole-weight copy for `gathered(all_ranks=True)` (the online loop generates on every rank).
     DeepSpeed: the engine is built by `wrapped.prepare(optimizer, max_grad_norm)`."""
     layout = Layout(resolve_strategy(strategy, world), world)
     if layout.strategy == "none":
@@ -313,7 +347,7 @@ def wrap_model(model: nn.Module, world: World, strategy: str = "auto",
     if layout.strategy == "fsdp2":
         engine, plain = _fsdp2(model, world, keep_plain=True, every_rank=plain_on_every_rank)
         return Wrapped(model, engine, layout, plain)
-    return _deepspeed(model, world, layout)
+    return _deepspeed(model, world, layout, every_rank=plain_on_every_rank)
 
 
 def wrap_frozen(model: nn.Module, world: World, strategy: str = "auto", shard: bool = True) -> Wrapped:

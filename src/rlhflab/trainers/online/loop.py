@@ -156,6 +156,7 @@ def train_online(cfg, algorithm: Algorithm, run: RunDir | None = None, reward_fn
     group = algorithm.samples_per_prompt
     num_updates = cfg.total_episodes // cfg.batch_size
     optimizer = make_optimizer(algorithm.param_groups(roles), cfg, fused=not ranks.sharded)  # steps every minibatch
+    optimizer = ranks.trained.prepare(optimizer, cfg.max_grad_norm)  # DeepSpeed: its engine, around this AdamW
     scheduler = make_scheduler(optimizer, cfg, num_updates * algorithm.epochs * cfg.num_mini_batches)
     generator = torch.Generator().manual_seed(cfg.seed)  # prompt order and minibatches (the same on every rank)
     # Rollouts sample from the full softmax: with top-k / top-p the sampling policy would
@@ -169,6 +170,8 @@ def train_online(cfg, algorithm: Algorithm, run: RunDir | None = None, reward_fn
     if getattr(monitor, "signal", signal) != signal:
         raise ValueError(f"the monitor watches {monitor.signal} but this run's held-out signal is {signal}")
     watch = RunWatch(monitor, run, roles, cfg.keep_best, signal)
+    # where the watch may copy or restore the best policy, ZeRO-3's partitions are gathered whole (every rank)
+    best_policy_whole = lambda: ranks.trained.whole_parameters(enabled=watch.best is not None)  # noqa: E731
     generators = {"order": generator}  # token sampling: a generator of its own per update (ranks.rollout_generator)
 
     def evaluate(update: int, episode: int) -> dict:
@@ -185,11 +188,12 @@ def train_online(cfg, algorithm: Algorithm, run: RunDir | None = None, reward_fn
     if resumed is None:
         first = evaluate(0, 0)
         walls["evaluation"] = time.time() - started - walls["setup"]
-        watch.observe(0, first)
+        with best_policy_whole():
+            watch.observe(0, first)
         progress = Progress(first=first, last_eval=first)
     else:
         progress = unpack_online(resumed, roles, optimizer, scheduler, algorithm, generators, watch,
-                                 trained=ranks.trained.model if ranks.sharded else None)
+                                 trained=ranks.trained if ranks.sharded else None)
         resumed.commit()  # only now cut the histories back, record the resume
         walls.update({k: progress.walls.get(k, 0.0) for k in ("loop", "evaluation", "save")})  # max_seconds too
     first, last_eval, last, order = progress.first, progress.last_eval, progress.last, progress.order
@@ -253,7 +257,8 @@ def train_online(cfg, algorithm: Algorithm, run: RunDir | None = None, reward_fn
             walls["loop"] += t4 - t0
             if (cfg.eval_every and update % cfg.eval_every == 0) or update == num_updates:
                 last_eval = evaluate(update, episode)
-                watch.observe(update, last_eval)
+                with best_policy_whole():
+                    watch.observe(update, last_eval)
                 bar.set_postfix({signal.removeprefix("val/"): f"{last_eval[signal]:.2f}",
                                  "kl": f"{last['objective/kl']:.2f}", "score": f"{last['objective/scores']:.2f}"})
             t5 = time.time()
@@ -268,7 +273,8 @@ def train_online(cfg, algorithm: Algorithm, run: RunDir | None = None, reward_fn
                          update, episode)
                 if last_eval.get("episode") != episode:
                     last_eval = evaluate(update, episode)
-                    watch.observe(update, last_eval)
+                    with best_policy_whole():
+                        watch.observe(update, last_eval)
                 walls["evaluation"] += time.time() - t5
                 break
             # 8. checkpoint when due, or when SIGINT / SIGTERM asked (then raises Interrupted)
@@ -279,7 +285,8 @@ def train_online(cfg, algorithm: Algorithm, run: RunDir | None = None, reward_fn
         finished = True
         saver.finish(done, pack)  # before the best policy may be restored: a resume continues from `done`
 
-    monitored = watch.finish(done, last_eval[signal])  # restores the best policy when it should
+    with best_policy_whole():
+        monitored = watch.finish(done, last_eval[signal])  # restores the best policy when it should
     with ranks.whole_roles() as whole:
         model_dir = world.from_main(lambda: save_policy_models(whole, tokenizer, run.path))
     walls["save"] += time.time() - t6
@@ -299,11 +306,10 @@ def train_online(cfg, algorithm: Algorithm, run: RunDir | None = None, reward_fn
 
 
 def checkpointer(run: RunDir, cfg, resumed_at: int | None, ranks: OnlineRanks, optimizer) -> Checkpointer:
-    """The loop's Checkpointer for this layout: FSDP2 shards and their moments written by every rank."""
+    """The loop's Checkpointer for this layout: FSDP2 shards (DeepSpeed: its ZeRO slices) and their moments
+    written by every rank."""
     def write_shards(folder) -> None:
-        from rlhflab.parallel.state import save_sharded
-
-        save_sharded(ranks.trained.model, optimizer, folder)
+        ranks.trained.save_sharded(optimizer, folder)
 
     return Checkpointer(run.path, cfg.save_every, cfg.keep_last_n, resumed_at, layout=ranks.layout,
                         write_shards=write_shards if ranks.sharded else None)

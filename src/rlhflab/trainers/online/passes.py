@@ -4,6 +4,8 @@ Each minibatch is one AdamW step; its micro-batches' losses add up to the miniba
 whatever the gradient accumulation. Several processes (trainers/online/ranks.py): every rank holds the
 global rollout and shuffles it the same way, trains on its block of each minibatch's micro-batches
 through the engine (which sums the gradients over ranks), and the logged stats are every rank's.
+Every rank runs as many micro-batches (padding ones with zero weight) and stops a step at the same one:
+under FSDP2 and DeepSpeed each backward is a collective. DeepSpeed's engine clips and steps itself.
 """
 
 from __future__ import annotations
@@ -71,6 +73,8 @@ def update_passes(algorithm: Algorithm, roles, optimizer, scheduler, batch: Scor
                     reuse = None  # its weights are stale after this step
                     if world.any(not torch.isfinite(loss)):  # no backward through it: the step is dropped below
                         loss_value, rows = loss.item() if not torch.isfinite(loss) else float("nan"), idx
+                        if trained is not None:  # DeepSpeed: its step drops what it accumulated (every rank)
+                            trained.drop_step(loss)
                         break
                     if trained is None:
                         loss.backward()
@@ -80,7 +84,7 @@ def update_passes(algorithm: Algorithm, roles, optimizer, scheduler, batch: Scor
                     step_history.append(((epoch, start, position), stats))
             try:
                 grad_norm = clip_and_step(optimizer, scheduler, params, cfg.max_grad_norm, loss_value, cfg.nonfinite,
-                                          algorithm.name.upper())
+                                          algorithm.name.upper(), engine=trained)  # DeepSpeed steps itself
             except FloatingPointError as err:
                 raise FloatingPointError(f"{algorithm.name.upper()} update {update}: {err} "
                                          f"({rows_named(rows.tolist(), prompt_keys)}); "

@@ -19,6 +19,10 @@
 
 FSDP2 holds shards: forwards then take the model's own path (no lean forward reads whole weights), and
 every rank samples from a whole-weight copy gathered before each rollout (`Wrapped.gathered(all_ranks)`).
+DeepSpeed ZeRO-3 partitions the weights: the same as FSDP2. ZeRO-2 keeps whole weights on every rank (it
+partitions gradients and AdamW state): rollouts, lean forwards and evaluation run as under DDP. Under both
+the engine clips and steps (one engine over policy and value, with the algorithm's parameter groups), and
+checkpoints hold its own files (`Wrapped.save_sharded`).
 The reward model, when there is one, is replicated on every rank (each scores its own answers).
 """
 
@@ -168,13 +172,19 @@ class OnlineRanks:
 
     @property
     def sharded(self) -> bool:
+        """Each rank holds part of the trained state (FSDP2, DeepSpeed): each writes its part of a checkpoint."""
         return self.layout.sharded
+
+    @property
+    def partitioned(self) -> bool:
+        """Each rank holds part of the weights (FSDP2, ZeRO-3): whole weights only in gathered copies."""
+        return parallel.holds_shards(self.trained.model)
 
     @contextlib.contextmanager
     def whole_policy(self, on_every_rank: bool = True) -> Iterator[nn.Module | None]:
-        """The policy with its whole current weights (FSDP2: gathered into a plain copy; a collective every
-        rank enters); with `on_every_rank` False only rank 0 gets it (the others get None)."""
-        if not self.sharded:
+        """The policy with its whole current weights (FSDP2, ZeRO-3: gathered into a plain copy; a collective
+        every rank enters); with `on_every_rank` False only rank 0 gets it (the others get None)."""
+        if not self.partitioned:
             yield self.roles.policy if on_every_rank or self.world.is_main else None
             return
         with self.trained.gathered(all_ranks=on_every_rank) as whole:
@@ -185,7 +195,7 @@ class OnlineRanks:
     @contextlib.contextmanager
     def whole_roles(self) -> Iterator[PolicyRoles | None]:
         """Rank 0: roles whose trained modules hold the whole weights (to save); other ranks: None."""
-        if not self.sharded:
+        if not self.partitioned:
             yield self.roles if self.world.is_main else None
             return
         with self.trained.gathered() as whole:
@@ -205,15 +215,8 @@ def through(wrapped: parallel.Wrapped):
 def wrap_roles(roles: PolicyRoles, cfg, world: parallel.World) -> OnlineRanks:
     """Wrap the trained modules (and a resident reference) for `cfg.parallel_strategy`; bind the roles'
     forwards to the engines. One process: nothing is wrapped, the roles run as they always did.
-    Call before building the optimiser (FSDP2 replaces the parameters)."""
-    if parallel.resolve_strategy(cfg.parallel_strategy, world) == "deepspeed":
-        # the loop generates from whole weights on every rank and steps its own optimiser: neither is wired to
-        # a DeepSpeed engine (ZeRO-3 gathers whole weights on rank 0 only)
-        raise UserInputError("parallel_strategy deepspeed is wired for sft, rm and dpo, not for the online methods",
-                             "--parallel_strategy deepspeed (or an accelerate DeepSpeed config)",
-                             "use --parallel_strategy fsdp2 (ZeRO-3's sharding of weights, gradients and AdamW "
-                             "state, by torch) or ddp, e.g. accelerate launch --config_file "
-                             "configs/accelerate/fsdp2.yaml")
+    Call before building the optimiser (FSDP2 replaces the parameters; DeepSpeed's engine is built around it:
+    `ranks.trained.prepare(optimizer, max_grad_norm)`)."""
     device, backend = next(roles.policy.parameters()).device, backend_of(roles.policy)
     trained = parallel.wrap_model(Trained(roles), world, cfg.parallel_strategy, plain_on_every_rank=True)
     reference = None
@@ -225,7 +228,7 @@ def wrap_roles(roles: PolicyRoles, cfg, world: parallel.World) -> OnlineRanks:
     sharded_reference = reference is not None and reference.layout.sharded
     roles.engines = Engines(trained=through(trained),
                             reference=through(reference) if sharded_reference else Engines().reference)
-    if ranks.sharded:
-        roles.lean = False  # the lean forwards read whole weights; FSDP2 holds shards (and KL == 0 needs one path)
+    if ranks.partitioned:
+        roles.lean = False  # the lean forwards read whole weights; FSDP2 / ZeRO-3 hold shards (KL == 0: one path)
         roles.generation_policy = ranks.whole_policy
     return ranks

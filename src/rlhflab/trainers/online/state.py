@@ -10,7 +10,8 @@ monitor's side (alarms, the rows it saw, the best policy so far).
 
 Several processes: rank 0 packs. DDP holds the whole model on every rank, so its checkpoint is the
 single-process one. FSDP2 holds shards: the trainable weights and their AdamW moments are written by
-every rank into `step-N/sharded/` (torch.distributed.checkpoint) and read back the same way.
+every rank into `step-N/sharded/` (torch.distributed.checkpoint) and read back the same way; DeepSpeed
+writes its own checkpoint of its ZeRO slices there (`Wrapped.save_sharded` / `load_sharded`).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def role_modules(roles: PolicyRoles) -> dict[str, torch.nn.Module]:
 
 def pack_online(roles: PolicyRoles, optimizer, scheduler, algorithm, generators: dict[str, torch.Generator],
                 progress: Progress, watch: RunWatch, sharded: bool = False) -> tuple[dict[str, torch.Tensor], dict]:
-    """(weights, state) of a checkpoint; `sharded`: weights and moments are FSDP2 shards, written apart."""
+    """(weights, state) of a checkpoint; `sharded`: weights and moments are written apart by every rank."""
     state = {"scheduler": scheduler.state_dict(), "algorithm": algorithm.state_dict(), "rng": rng_state(generators),
              "progress": dict(vars(progress)), "watch": watch.state_dict()}
     if sharded:
@@ -60,14 +61,13 @@ def pack_online(roles: PolicyRoles, optimizer, scheduler, algorithm, generators:
 def unpack_online(resumed: Resumed, roles: PolicyRoles, optimizer, scheduler, algorithm,
                   generators: dict[str, torch.Generator], watch: RunWatch, trained=None) -> Progress:
     """Put a checkpoint back into freshly built roles / optimiser / ...; returns the loop's position.
-    `trained`: the FSDP2-wrapped trained module, whose shards and moments come from `step-N/sharded/`."""
+    `trained`: the sharded layout's Wrapped trained module (FSDP2, DeepSpeed), whose weights and moments come
+    from `step-N/sharded/`."""
     state = resumed.state
     where = str(resumed.checkpoint / "state.safetensors")
     if trained is not None:
-        from rlhflab.parallel.state import load_sharded
-
         load_optimiser(optimizer, scheduler, state, where,
-                       load_moments=lambda: load_sharded(trained, optimizer, resumed.checkpoint / SHARDED))
+                       load_moments=lambda: trained.load_sharded(optimizer, resumed.checkpoint / SHARDED))
     else:
         load_trainable_weights(role_modules(roles), resumed.weights, str(resumed.checkpoint / "model.safetensors"))
         load_optimiser(optimizer, scheduler, state, where)  # config's lr etc.
