@@ -24,7 +24,7 @@ from rlhflab.config import STAGES, parse_config  # noqa: E402
 from rlhflab.eval import RunMonitor  # noqa: E402
 from rlhflab.trainers.online import passes  # noqa: E402
 
-KEPT = ("model", "value", "metrics.jsonl")  # what a resume is compared on
+KEPT = ("model", "adapter", "value", "metrics.jsonl")  # what a resume is compared on
 
 
 def poison_minibatch(number: int):

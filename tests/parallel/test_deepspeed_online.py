@@ -1,6 +1,7 @@
 """The online loop under DeepSpeed ZeRO-2 and ZeRO-3 in two processes (torchrun, gloo, DeepSpeed's CPU
-accelerator) trains what one process trains: PPO (a separate value model: one engine over policy and value, the
-value head at its own learning rate) and GRPO, the same weights after 3 updates (max abs difference <= 1e-5 in
+accelerator) trains what one process trains: PPO (ZeRO-2: a separate value model, ZeRO-3: LoRA with a value
+adapter; one engine over policy and value, the value head at its own learning rate) and GRPO, the same weights
+after 3 updates (max abs difference <= 1e-5 in
 float32; the figure is printed) and metrics.jsonl; a resume from the engine's checkpoint equal to the
 uninterrupted run; a saved model that `from_pretrained` loads; and a step abandoned half-way by a non-finite
 loss (nonfinite=skip) dropped with what DeepSpeed had accumulated, as one process drops it.
@@ -41,15 +42,18 @@ PPO = ["--value_mode", "separate", "--value_head_learning_rate", "3e-3"]
 # (process 1's second) has a NaN loss after process 0 has run both of its own backwards
 NAN = ["--nonfinite", "skip", "--gradient_accumulation_steps", "4"]
 NAN_AT = 1
+# LoRA: the reference is the policy with its adapter off, a forward of the partitioned engine under ZeRO-3
+LORA = ["--lora_r", "4", "--value_mode", "lora_adapter"]
 # name: (the test_online_ranks run whose arguments it takes, extra flags, ZeRO stage, resumed from step-N (0: not))
 RUNS = {
-    "ppo-zero2": ("ppo-ddp", PPO, 2, 1),
+    "ppo-zero2": ("ppo-ddp", PPO, 2, 0),
     "grpo-zero2": ("grpo-ddp", [], 2, 0),
-    "ppo-zero3": ("ppo-ddp", PPO, 3, 1),
+    "ppo-zero3-lora": ("ppo-ddp", LORA, 3, 1),
     "grpo-zero3": ("grpo-ddp", [], 3, 0),
     "ppo-zero2-nan": ("ppo-ddp", [*PPO, *NAN], 2, 0),
 }
-ONE = {"ppo": ("ppo-ddp", PPO), "grpo": ("grpo-ddp", []), "ppo-nan": ("ppo-ddp", [*PPO, *NAN])}
+ONE = {"ppo": ("ppo-ddp", PPO), "ppo-lora": ("ppo-ddp", LORA), "grpo": ("grpo-ddp", []),
+       "ppo-nan": ("ppo-ddp", [*PPO, *NAN])}
 
 
 def arguments(base: str, extra: list[str], setup, out: Path, strategy: str) -> list[str]:
