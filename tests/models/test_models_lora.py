@@ -69,6 +69,7 @@ def test_value_adapter_and_policy_adapter_both_train(setup):
     base, reference, (ids, mask, positions) = setup
     model = apply_lora(base, r=4, alpha=8)
     head = add_value_adapter(model, r=4, alpha=8)
+    torch.nn.init.normal_(head.summary.weight, std=0.1)  # a fresh head is zero: no gradient would reach the adapter
     assert model.active_adapter == "default"
     policy_before, value_before = lora_weights(model, "default"), lora_weights(model, "value")
     frozen_before = base_weights(model)

@@ -136,7 +136,7 @@ TINY_DEMO = ["--hidden_size", "32", "--num_layers", "1", "--intermediate_size", 
              "--max_new_tokens", "6", "--save_every", "0", "--num_train_prompts", "22",
              "--num_validation_prompts", "11", "--num_test_prompts", "33", "--threads", "1", "--progress", "false",
              "--ppo_total_episodes", "16", "--rm_pair_prompts", "16", "--rm_hard_negatives", "0",
-             "--rm_diagnosis_samples", "1"]
+             "--rm_calibration_coef", "0", "--rm_diagnosis_samples", "1"]
 TINY_PPO = "batch_size: 8\nnum_mini_batches: 2\nnum_ppo_epochs: 1\nresponse_length: 6\neval_every: 1\n" \
            "eval_prompts: 4\nsample_prompts: 2\nsave_every: 0\n"
 TINY_RM = "pairs_per_prompt: 1\nnum_epochs: 1\nbatch_size: 8\nsave_every: 0\n"

@@ -127,8 +127,8 @@ def test_values_t_are_the_value_of_the_prompt_and_the_first_t_response_tokens(fp
     before response token t (the state in which a_t is chosen), whatever the row's padding."""
     cfg = tiny_cfg(fp32_dir, dtype="float32", **MODES[mode])
     roles, tokenizer = build_roles(cfg)
-    if roles.value_head is not None:  # build_roles starts a head at zero: V would be its bias everywhere
-        torch.nn.init.normal_(roles.value_head.summary.weight, std=1.0)
+    head = roles.value_head if roles.value_head is not None else roles.value_model.value_head
+    torch.nn.init.normal_(head.summary.weight, std=1.0)  # a fresh head is zero: V would be its bias everywhere
     rollout = rollout_for(cfg, roles, tokenizer, n=4)
     with torch.no_grad():
         for row in range(rollout.batch_size):
