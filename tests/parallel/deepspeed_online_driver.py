@@ -11,7 +11,6 @@ step-N. With `nan_at` K, the loss of the last micro-batch of the run's K-th mini
 """
 
 import importlib
-import json
 import os
 import shutil
 import sys
@@ -75,10 +74,9 @@ def run_job(job: dict, world: parallel.World) -> None:
 
 
 def main(jobs_file: str) -> None:
-    world = parallel.init_world("cpu")
-    for job in json.loads(Path(jobs_file).read_text()):
-        run_job(job, world)
-    parallel.shutdown_world()
+    from launch_runs import run_jobs  # the sibling driver (its folder is on sys.path: torchrun runs this file)
+
+    run_jobs(jobs_file, run_job)
 
 
 if __name__ == "__main__":

@@ -45,11 +45,16 @@ def run_job(job: dict, world: parallel.World) -> None:
         (out / "wall.json").write_text(json.dumps(walls))
 
 
-def main(jobs_file: str) -> None:
+def run_jobs(jobs_file: str, run_one=None) -> None:
+    """Every job of JOBS.json in one process group; `run_one(job, world)` (default: this file's run_job)."""
     world = parallel.init_world("cpu")
     for job in json.loads(Path(jobs_file).read_text()):
-        run_job(job, world)
+        (run_one or run_job)(job, world)
     parallel.shutdown_world()
+
+
+def main(jobs_file: str) -> None:
+    run_jobs(jobs_file)
 
 
 if __name__ == "__main__":
