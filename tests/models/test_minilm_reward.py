@@ -96,9 +96,12 @@ def test_saved_minilm_reward_model_reloads_to_identical_scores(minilm, tmp_path)
     assert type(loaded).__name__ == "BertForSequenceClassification" and models.is_encoder_reward_model(loaded)
     assert ModelReward(loaded, loaded_tokenizer).encode(PROMPTS, RESPONSES) == ModelReward(
         model, tokenizer).encode(PROMPTS, RESPONSES)
+    saved, reloaded = model.state_dict(), loaded.state_dict()
+    assert all(torch.equal(saved[k], reloaded[k]) for k in saved)  # every weight back bit for bit
     before = ModelReward(model, tokenizer)(PROMPTS, RESPONSES, [None] * 3).scores
     after = ModelReward(loaded, loaded_tokenizer)(PROMPTS, RESPONSES, [None] * 3).scores
-    assert torch.equal(before, after)
+    # the same weights, but the reloaded tensors' memory layout can pick another kernel: 1.5e-8 apart seen here
+    torch.testing.assert_close(after, before, rtol=0, atol=1e-6)
 
 
 def test_minilm_scores_a_tiny_llama_policys_answers_through_text(minilm):

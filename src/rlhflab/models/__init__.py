@@ -3,7 +3,7 @@
 Imports torch, transformers, peft, tokenizers, safetensors and `rlhflab.errors` only.
 """
 
-from rlhflab.models.lean import lean_hidden, plan_lean
+from rlhflab.models.lean import lean_hidden, plan_lean, read_columns
 from rlhflab.models.load import count_parameters, disable_dropout, load_causal_lm, load_tokenizer
 from rlhflab.models.lora import adapter_values, adapters_off, add_value_adapter, apply_lora, merged_adapter
 from rlhflab.models.lora import trainable_parameters, use_adapter
@@ -26,6 +26,6 @@ __all__ = [
     "can_pack_sequences", "fill_rows", "pack_rows", "pack_sequences", "packed_target_logits",
     "count_parameters", "disable_dropout", "distinct_prompts", "is_encoder_reward_model", "last_hidden_state", "lean_hidden",
     "last_real_index", "load_causal_lm", "load_reward_model", "merged_adapter", "pack_shared_prefix", "packed_length",
-    "packed_pair_scores", "load_tokenizer", "plan_lean", "save_model_folder", "sequence_scores", "shared_prompt_logits",
+    "packed_pair_scores", "load_tokenizer", "plan_lean", "read_columns", "save_model_folder", "sequence_scores", "shared_prompt_logits",
     "special_tokens_frame", "template_words", "trainable_parameters", "use_adapter",
 ]

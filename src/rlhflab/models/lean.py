@@ -159,7 +159,10 @@ def plan_lean(model: nn.Module, allow_training: bool = False) -> LeanPlan | None
     Llama layout. A causal LM's head is `lm_head`; a sequence classifier (reward model) has none.
     In training mode only with `allow_training` and no dropout anywhere (the lean ops have none)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    # a causal LM or classifier keeps its trunk in `model`; a bare trunk (a value model's backbone) is its own
     inner = getattr(base, "model", None)
+    if inner is None and hasattr(base, "embed_tokens"):
+        inner = base
     config = getattr(base, "config", None)
     if inner is None or config is None or not _qualifies(config, inner):
         return None
@@ -208,14 +211,18 @@ def causal_allowed(attention_mask: Tensor) -> Tensor:
 
 
 def lean_hidden(plan: LeanPlan, input_ids: Tensor, attention_mask: Tensor | None, position_ids: Tensor,
-                kv_out: list[tuple[Tensor, Tensor]] | None = None, allowed: Tensor | None = None) -> Tensor:
+                allowed: Tensor | None = None, read: Tensor | None = None,
+                kv_keep: list[tuple[Tensor, Tensor]] | None = None) -> Tensor:
     """(B, L) ids, mask (True / 1 on real tokens), positions -> (B, L, H) final-norm hidden states
     (HF's `hidden_states[-1]`, what the LM head reads). Differentiable when grad is on.
 
     Causal attention over real keys (`causal_allowed`), or the (B, L, L) `allowed` given instead
     (several continuations of one shared prefix in a row: models.pack_shared_prefix).
-    `kv_out[i]` = (K, V) buffers (B, H_kv, >= L, D) receive layer i's rotated keys and values
-    (the prefill of models/lean_decoder.py).
+    `read` (B, m): the columns of each row whose hidden states the caller reads (repeats allowed); then
+    (B, m, H) is returned and the last layer runs its queries, attention output and MLP at those columns
+    only (`read_columns`). The same numbers: a later position depends on an earlier one only through
+    the earlier one's keys and values, which every position still computes.
+    `kv_keep`: each layer's rotated keys and values (B, H_kv, L, D) are appended to it (models/prompt_pass.py).
     """
     if attention_mask is None and allowed is None:
         raise ValueError("lean_hidden needs an attention_mask or an explicit allowed mask")
@@ -224,17 +231,46 @@ def lean_hidden(plan: LeanPlan, input_ids: Tensor, attention_mask: Tensor | None
     allowed = (causal_allowed(attention_mask) if allowed is None else allowed).unsqueeze(1)  # (B, 1, L, L)
     cos, sin = rotary_tables(plan, position_ids)
     h = F.embedding(input_ids, plan.embed, padding_idx=plan.padding_idx)
+    last = len(plan.layers) - 1
     for i, layer in enumerate(plan.layers):
         x = layer.input_norm(h)
-        q = _rope(layer.q(x).view(batch, length, heads, dim).transpose(1, 2), cos, sin)
         k = _rope(layer.k(x).view(batch, length, kv_heads, dim).transpose(1, 2), cos, sin)
         v = layer.v(x).view(batch, length, kv_heads, dim).transpose(1, 2)
-        if kv_out is not None:
-            kv_out[i][0][:, :, :length] = k
-            kv_out[i][1][:, :, :length] = v
+        if kv_keep is not None:
+            kv_keep.append((k, v))
+        if read is not None and i == last:
+            return plan.norm(_layer_at(plan, layer, h, x, k, v, allowed, cos, sin, read))
+        q = _rope(layer.q(x).view(batch, length, heads, dim).transpose(1, 2), cos, sin)
         attn = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=layer.scaling,
                                               enable_gqa=heads != kv_heads)
         h = h + layer.o(attn.transpose(1, 2).reshape(batch, length, heads * dim))
         x = layer.post_norm(h)
         h = h + layer.down(layer.act(layer.gate(x)) * layer.up(x))
     return plan.norm(h)
+
+
+def _layer_at(plan: LeanPlan, layer: LeanLayer, h: Tensor, x: Tensor, k: Tensor, v: Tensor, allowed: Tensor,
+              cos: Tensor, sin: Tensor, read: Tensor) -> Tensor:
+    """One layer's output (B, m, H) at the (B, m) columns `read`, given its input h, normed input x and the
+    keys / values of every column."""
+    batch, m = read.shape
+    heads, dim = plan.num_heads, plan.head_dim
+    at = lambda t: torch.take_along_dim(t, read[:, :, None], dim=1)  # noqa: E731  (B, L, X) -> (B, m, X)
+    at_query = lambda t: torch.take_along_dim(t, read[:, None, :, None], dim=2)  # noqa: E731  (B, 1, L, Y) -> m
+    q = _rope(layer.q(at(x)).view(batch, m, heads, dim).transpose(1, 2), at_query(cos), at_query(sin))
+    attn = F.scaled_dot_product_attention(q, k, v, attn_mask=at_query(allowed), scale=layer.scaling,
+                                          enable_gqa=heads != plan.num_kv_heads)
+    h = at(h) + layer.o(attn.transpose(1, 2).reshape(batch, m, heads * dim))
+    x = layer.post_norm(h)
+    return h + layer.down(layer.act(layer.gate(x)) * layer.up(x))
+
+
+def read_columns(flags: Tensor) -> tuple[Tensor, Tensor]:
+    """(B, L) bool, the positions a caller reads -> `lean_hidden`'s `read` (B, m) (each row's flagged columns
+    in order, then repeats of its first column) and (B, m) bool, True on the flagged ones: `out[valid]` lists
+    the flagged positions' states in row-major order, as `hidden[flags]` would."""
+    counts = flags.sum(dim=1)
+    m = max(int(counts.max()), 1)
+    read = torch.argsort((~flags).to(torch.uint8), dim=1, stable=True)[:, :m]
+    valid = torch.arange(m, device=flags.device) < counts[:, None]
+    return torch.where(valid, read, read[:, :1]), valid

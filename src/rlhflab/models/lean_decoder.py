@@ -22,7 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from rlhflab.models.lean import LeanLayer, LeanPlan, lean_hidden, rotary_tables
+from rlhflab.models.lean import LeanLayer, LeanPlan, rotary_tables
+from rlhflab.models.prompt_pass import prompt_pass
 
 
 def _plain_parts(layer_fn: Callable) -> tuple[Tensor, Tensor | None] | None:
@@ -105,8 +106,11 @@ class LeanDecoder:
         kv, dim = plan.num_kv_heads, plan.head_dim
         self.keys = [plan.embed.new_empty((batch, kv, total, dim)) for _ in plan.layers]
         self.values = [plan.embed.new_empty((batch, kv, total, dim)) for _ in plan.layers]
-        hidden = lean_hidden(plan, query_ids, query_mask, positions, list(zip(self.keys, self.values)))
-        self.logits = plan.lm_head(hidden[:, -1])
+        prompts = prompt_pass(plan, query_ids, query_mask, positions)
+        for buffers, computed in ((self.keys, prompts.keys), (self.values, prompts.values)):
+            for buffer, layer_kv in zip(buffers, computed):
+                buffer[:, :, :prompt_len] = layer_kv
+        self.logits = plan.lm_head(prompts.last_hidden)
         # (B, 1, 1, P + N) additive mask: 0 on keys a new token may attend to (real prompt tokens and every
         # generated one), -inf on left padding
         self.key_bias = torch.zeros(batch, 1, 1, total, dtype=dtype, device=query_ids.device)

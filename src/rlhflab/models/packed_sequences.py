@@ -13,8 +13,8 @@ are those of the padded batch up to float summation order (tests/models/test_pac
 Rows are never longer than the step's longest sequence, so no row attends over more keys than
 the padded batch would: the work saved is the padding, nothing is added.
 
-Only the positions whose next token is a trained label go through the LM head (a quarter of the
-suite's tokens: its prompts are long, its answers short).
+Only the positions whose next token is a trained label go through the LM head and the last layer's
+queries and MLP (a quarter of the suite's tokens: its prompts are long, its answers short).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from rlhflab.models.lean import lean_hidden, plan_lean
+from rlhflab.models.lean import lean_hidden, plan_lean, read_columns
 
 IGNORE = -100  # a target that is not trained (prompt, padding, the last token of a sequence)
 
@@ -111,8 +111,9 @@ def packed_target_logits(model: nn.Module, packed: PackedSequences) -> tuple[Ten
     if plan is None or plan.lm_head is None:
         raise ValueError("packed_target_logits needs a Llama-layout causal LM (see can_pack_sequences)")
     device = plan.embed.device
-    hidden = lean_hidden(plan, packed.input_ids.to(device), None, packed.position_ids.to(device),
-                         allowed=packed.allowed.to(device))  # (B, L, H)
     targets = packed.targets.to(device)
     trained = targets != IGNORE
-    return plan.lm_head(hidden[trained]), targets[trained]
+    read, valid = read_columns(trained)  # the last layer runs at the trained positions only
+    hidden = lean_hidden(plan, packed.input_ids.to(device), None, packed.position_ids.to(device),
+                         allowed=packed.allowed.to(device), read=read)  # (B, m, H)
+    return plan.lm_head(hidden[valid]), targets[trained]

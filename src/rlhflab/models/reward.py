@@ -219,14 +219,13 @@ def sequence_scores(reward_model: nn.Module, input_ids: Tensor, attention_mask: 
         score, trunk = model.score, model.base_model
         position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
         plan = plan_lean(model) if lean and not torch.is_grad_enabled() else None
-        if plan is not None:
-            hidden = lean_hidden(plan, input_ids, mask, position_ids)
+        if plan is not None:  # the last layer runs at the last real token only
+            last = lean_hidden(plan, input_ids, mask, position_ids, read=last_real_index(mask)[:, None])[:, 0]
         else:
             hidden = trunk(
                 input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=False
             ).last_hidden_state  # (B, L, H)
-        rows = torch.arange(input_ids.shape[0], device=input_ids.device)
-        last = hidden[rows, last_real_index(mask)]  # (B, H)
+            last = hidden[torch.arange(input_ids.shape[0], device=input_ids.device), last_real_index(mask)]  # (B, H)
         return score(last)[:, 0]
     ids, mask = to_right_padding(input_ids, mask)
     return model(input_ids=ids, attention_mask=mask).logits[:, 0]
@@ -248,9 +247,8 @@ def packed_pair_scores(reward_model: nn.Module, packed: PackedPairs) -> tuple[Te
     if plan is None or not isinstance(getattr(model, "score", None), nn.Module):
         raise ValueError("packed_pair_scores needs a Llama-layout decoder classifier (see can_pack_pairs)")
     device = plan.embed.device
+    read = torch.stack([packed.first_last, packed.second_last], dim=1).to(device)  # the last layer runs these only
     hidden = lean_hidden(plan, packed.input_ids.to(device), None, packed.position_ids.to(device),
-                         allowed=packed.allowed.to(device))  # (B, L, H)
-    rows = torch.arange(hidden.shape[0], device=device)
-    first = model.score(hidden[rows, packed.first_last.to(device)])[:, 0]
-    second = model.score(hidden[rows, packed.second_last.to(device)])[:, 0]
-    return first, second
+                         allowed=packed.allowed.to(device), read=read)  # (B, 2, H)
+    scores = model.score(hidden)[..., 0]
+    return scores[:, 0], scores[:, 1]

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from rlhflab.models.lean import LeanPlan, _rope, causal_allowed, rotary_tables
+from rlhflab.models.prompt_pass import prompt_pass
 
 
 def distinct_prompts(query_ids: Tensor, query_mask: Tensor) -> tuple[Tensor, Tensor] | None:
@@ -76,21 +77,13 @@ def shared_prompt_logits(plan: LeanPlan, query_ids: Tensor, query_mask: Tensor, 
     The left-padded prompts (B, P) and right-padded responses (B, T) are the rollout's; attention is
     causal over real tokens, as `lean_hidden` on the joined rows."""
     heads, kv_heads, dim = plan.num_heads, plan.num_kv_heads, plan.head_dim
-    prompt_ids, prompt_mask = query_ids[first], query_mask[first]
-    n, p = prompt_ids.shape
-    batch, t = response_ids.shape
+    prompt_mask = query_mask[first]
     prompt_positions = (prompt_mask.long().cumsum(dim=1) - 1).clamp(min=0)
-    prompt_cos, prompt_sin = rotary_tables(plan, prompt_positions)
-    prompt_allowed = causal_allowed(prompt_mask).unsqueeze(1)  # (N, 1, P, P)
+    prompts = prompt_pass(plan, query_ids[first], prompt_mask, prompt_positions)
+    batch, t = response_ids.shape
     chunks = _chunks(plan, query_mask, response_ids, response_mask, inverse, max(1, min(4, batch // 8)))
     gqa = heads != kv_heads
-    h_prompt = F.embedding(prompt_ids, plan.embed, padding_idx=plan.padding_idx)
-    for layer in plan.layers:
-        x = layer.input_norm(h_prompt)
-        q = _rope(layer.q(x).view(n, p, heads, dim).transpose(1, 2), prompt_cos, prompt_sin)
-        k_prompt = _rope(layer.k(x).view(n, p, kv_heads, dim).transpose(1, 2), prompt_cos, prompt_sin)
-        v_prompt = layer.v(x).view(n, p, kv_heads, dim).transpose(1, 2)
-        attn = _attention(q, k_prompt, v_prompt, prompt_allowed, layer.scaling, gqa)
+    for layer, k_prompt, v_prompt in zip(plan.layers, prompts.keys, prompts.values):
         for c in chunks:
             rows, length = len(c.rows), c.ids.shape[1]
             x = layer.input_norm(c.h)
@@ -100,8 +93,7 @@ def shared_prompt_logits(plan: LeanPlan, query_ids: Tensor, query_mask: Tensor, 
             v = torch.cat([v_prompt[c.prompt], layer.v(x).view(rows, length, kv_heads, dim).transpose(1, 2)], dim=2)
             out = _attention(q, k, v, c.allowed, layer.scaling, gqa)
             c.h = _feed_forward(layer, c.h + layer.o(out.transpose(1, 2).reshape(rows, length, heads * dim)))
-        h_prompt = _feed_forward(layer, h_prompt + layer.o(attn.transpose(1, 2).reshape(n, p, heads * dim)))
-    last_prompt = plan.norm(h_prompt[:, -1:])  # (N, 1, H): predicts the first response token
+    last_prompt = prompts.last_hidden.unsqueeze(1)  # (N, 1, H): predicts the first response token
     blocks = [F.pad(plan.lm_head(torch.cat([last_prompt[c.prompt], plan.norm(c.h[:, :-1])], dim=1)),
                     (0, 0, 0, t - c.ids.shape[1])) for c in chunks]
     order = torch.cat([c.rows for c in chunks])

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from transformers import AutoModel, AutoModelForSequenceClassification, PreTrainedModel
 
 from rlhflab.errors import UserInputError
+from rlhflab.models.lean import lean_hidden, plan_lean
 from rlhflab.models.load import DTYPES, read_model_config
 
 logger = logging.getLogger(__name__)
@@ -90,12 +91,22 @@ class ValueModel(nn.Module):
     def config(self):
         return self.backbone.config
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor) -> Tensor:
-        """(B, L) token ids, bool/int mask, positions -> (B, L) values."""
+    def forward(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, keep: int = 0,
+                lean: bool = False) -> Tensor:
+        """(B, L) token ids, bool/int mask, positions -> (B, L) values, or (B, keep) at the last `keep` positions.
+
+        `lean`: a Llama-layout backbone runs as `models.lean.lean_hidden` (the same math, less overhead, its
+        last layer at the kept positions only); only where its weights are whole (not FSDP2 / ZeRO-3 shards)."""
+        plan = plan_lean(self.backbone, allow_training=True) if lean else None
+        if plan is not None:
+            length = input_ids.shape[1]
+            keep = keep or length
+            read = torch.arange(length - keep, length, device=input_ids.device).expand(input_ids.shape[0], keep)
+            return self.value_head(lean_hidden(plan, input_ids, attention_mask, position_ids, read=read))
         hidden = self.backbone(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
         ).last_hidden_state  # (B, L, H)
-        return self.value_head(hidden)
+        return self.value_head(hidden[:, -keep:] if keep else hidden)
 
     @classmethod
     def from_pretrained(

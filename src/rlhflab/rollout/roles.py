@@ -132,15 +132,18 @@ class PolicyRoles:
         return models.use_adapter(self.policy, "default") if self.value_mode == "lora_adapter" else nullcontext()
 
     def _lm(self, model, input_ids, attention, positions, keep: int, hidden: bool) -> tuple[Tensor, Tensor | None]:
-        """(B, keep, V) logits of the last `keep` positions and, if asked, (B, L, H) final hidden states:
-        from `models.lean` for a Llama-layout model (same math, less overhead), else the model's forward."""
+        """(B, keep, V) logits of the last `keep` positions and, if asked, their (B, keep, H) final hidden states:
+        from `models.lean` for a Llama-layout model (same math, less overhead; its last layer runs those
+        positions only), else the model's forward."""
         plan = models.plan_lean(model, allow_training=True) if self.lean else None
         if plan is not None and plan.lm_head is not None:
-            states = models.lean_hidden(plan, input_ids, attention, positions)
-            return plan.lm_head(states[:, -keep:]), states if hidden else None
+            length = input_ids.shape[1]
+            read = torch.arange(length - keep, length, device=input_ids.device).expand(input_ids.shape[0], keep)
+            states = models.lean_hidden(plan, input_ids, attention, positions, read=read)
+            return plan.lm_head(states), states if hidden else None
         out = model(input_ids=input_ids, attention_mask=attention, position_ids=positions,
                     output_hidden_states=hidden, logits_to_keep=keep)
-        return out.logits, out.hidden_states[-1] if hidden else None
+        return out.logits, out.hidden_states[-1][:, -keep:] if hidden else None
 
     def _response_logits(self, model, query_ids, query_mask, response_ids, response_mask) -> Tensor:
         """(B, T, V) logits predicting each response token, no hidden states. Without a critic a batch that
@@ -161,10 +164,9 @@ class PolicyRoles:
             with self._policy_adapter():
                 return self._response_logits(self.policy, query_ids, query_mask, response_ids, response_mask), None
         input_ids, attention, positions = joined(query_ids, query_mask, response_ids, response_mask)
-        start = query_ids.shape[1] - 1
         keep = response_ids.shape[1] + 1  # the LM head runs on the last prompt position and the responses only
         logits, hidden = self._lm(self.policy, input_ids, attention, positions, keep, True)
-        return logits[:, -keep:-1], self.value_head(hidden[:, start:-1])
+        return logits[:, :-1], self.value_head(hidden[:, :-1])
 
     def values(self, query_ids, query_mask, response_ids, response_mask) -> Tensor | None:
         """V(s_t) for every response token, from the value model or value adapter (B, T); None without a critic."""
@@ -172,8 +174,9 @@ class PolicyRoles:
             return None
         input_ids, attention, positions = joined(query_ids, query_mask, response_ids, response_mask)
         start = query_ids.shape[1] - 1
-        if self.value_mode == "separate":
-            return self.value_model(input_ids, attention, positions)[:, start:-1]
+        if self.value_mode == "separate":  # the last prompt position and the responses
+            return self.value_model(input_ids, attention, positions, keep=response_ids.shape[1] + 1,
+                                    lean=self.lean)[:, :-1]
         with models.use_adapter(self.policy, "value"):
             hidden = models.last_hidden_state(self.policy, input_ids, attention, positions)
         return self.value_head(hidden[:, start:-1])

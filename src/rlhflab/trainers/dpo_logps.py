@@ -118,8 +118,12 @@ def token_logps(model: torch.nn.Module, batch: PairBatch) -> Tensor:
     if plan is not None and plan.lm_head is not None:
         allowed = batch.allowed.to(device) if batch.allowed is not None else None
         mask = None if allowed is not None else batch.attention_mask.to(device)
-        hidden = models.lean_hidden(plan, ids, mask, positions, allowed=allowed)  # (R, L, H)
-        logits = plan.lm_head(hidden.reshape(-1, hidden.shape[-1])[predictors])  # (N, V)
+        rows, length = ids.shape
+        flags = torch.zeros(rows * length, dtype=torch.bool, device=device).index_fill_(0, predictors, True)
+        read, valid = models.read_columns(flags.view(rows, length))  # the last layer runs at the predictors only
+        hidden = models.lean_hidden(plan, ids, mask, positions, allowed=allowed, read=read)  # (R, m, H)
+        places = (torch.arange(rows, device=device)[:, None] * length + read)[valid]  # ascending flat positions
+        logits = plan.lm_head(hidden[valid][torch.searchsorted(places, predictors)])  # (N, V)
     else:
         if batch.allowed is not None:
             raise ValueError("packed pairs need a model the lean forward runs (see can_pack)")
