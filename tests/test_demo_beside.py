@@ -20,6 +20,18 @@ def test_a_failing_stage_names_its_log_and_exit_code(tmp_path):
     assert "no-such-model" in (tmp_path / "ppo.log").read_text() and beside.cpu_seconds > 0
 
 
+def test_a_stage_failing_in_several_processes_names_its_log_and_the_one_process_flag(tmp_path):
+    from rlhflab.config import SFTConfig
+
+    cfg = SFTConfig(model=str(tmp_path / "no-such-model"), output_dir=str(tmp_path / "sft"), threads=1, progress=False)
+    with StageBeside("sft", cfg, tmp_path / "sft.log", processes=2) as beside:
+        with pytest.raises(StageFailed) as err:
+            beside.wait()
+    message = str(err.value)
+    assert "in 2 processes" in message and "--stage_processes 1" in message and str(tmp_path / "sft.log") in message
+    assert "no-such-model" in (tmp_path / "sft.log").read_text() and not (tmp_path / "sft").exists()
+
+
 def test_leaving_the_block_early_stops_the_child(tmp_path):
     import signal
     import time

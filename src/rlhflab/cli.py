@@ -54,12 +54,13 @@ stages:
 """
 
 
-def print_report(run_dir: Path) -> None:
-    """Each command that writes a run folder ends with its report.html. The run's files are already written, so a
-    failure here is logged with the command to retry rather than turning a finished run into an error."""
+def print_report(run_dir: Path, cfg) -> None:
+    """Each command that writes a run folder ends with its report.html (unless `--write_report false`). The run's
+    files are already written, so a failure here is logged with the command to retry rather than turning a
+    finished run into an error."""
     from rlhflab.report import write_report
 
-    if launched_rank()[0] > 0:  # several processes: rank 0 writes the run folder, its report too
+    if launched_rank()[0] > 0 or not cfg.write_report:  # several processes: rank 0 writes the run folder and report
         return
     try:
         print(f"report: {write_report(run_dir)}")
@@ -108,7 +109,10 @@ def run_demo(cfg) -> int:
     if summary.get("side_by_side"):  # "ppo" above is only the wait after the RM's stages
         print(f"  the checker's PPO ran in a second process beside rm_diagnosis and ppo_rm: "
               f"{summary['side_by_side']['ppo']:.0f} s of its own (RUN/ppo.log)")
-    print_report(result.run_dir)
+    if summary.get("stage_processes", 1) > 1:
+        print(f"  SFT and the reward model trained in {summary['stage_processes']} processes (torchrun, DDP, one thread "
+              "each; RUN/sft.log, RUN/rm.log)")
+    print_report(result.run_dir, cfg)
     return 0
 
 
@@ -119,7 +123,7 @@ def run_sft(cfg) -> int:
     validation = result.summary.get("validation", {})
     print(f"model: {result.model_dir}")
     print("validation: " + ", ".join(f"{k} {v:.3f}" for k, v in validation.items()))
-    print_report(result.run_dir)
+    print_report(result.run_dir, cfg)
     return 0
 
 
@@ -134,7 +138,7 @@ def run_eval(cfg) -> int:
     if cfg.samples_per_prompt > 1:
         print("\n" + format_headroom(probe_saved_model(cfg, result.run_dir)))
     print(f"\nanswers and verdicts: {result.run_dir / 'samples.jsonl'}")
-    print_report(result.run_dir)
+    print_report(result.run_dir, cfg)
     return 0
 
 
@@ -165,7 +169,7 @@ def run_rm(cfg) -> int:
     for split, m in result.summary["pairs"].items():
         print(f"{split:>10}: pairwise accuracy {m['accuracy']:.1%}, margin {m['margin']:.2f} ({m['pairs']} pairs)")
     print(f"reward model: {result.model_dir}")
-    print_report(result.run_dir)
+    print_report(result.run_dir, cfg)
     return 0
 
 
@@ -184,7 +188,7 @@ def run_rm_diagnose(cfg) -> int:
         print(f"  point-biserial correlation with pass/fail {d['point_biserial']:.3f}, ROC-AUC {d['roc_auc']:.3f}")
     print(describe_length_bias(result.summary["length_bias"]))
     print(f"worst cases: {result.run_dir / 'worst_cases.md'}")
-    print_report(result.run_dir)
+    print_report(result.run_dir, cfg)
     return 0
 
 
@@ -200,7 +204,7 @@ def online_command(stage: str):
         result = trainer.train(cfg, monitor=RunMonitor.from_config(cfg))  # bad stop_on_alarms fails before any work
         print(online_result_lines(result.summary))
         print(f"model: {result.model_dir}")
-        print_report(result.run_dir)
+        print_report(result.run_dir, cfg)
         return 0
 
     return run
@@ -236,7 +240,7 @@ def run_dpo(cfg) -> int:
     print(f"{held_out}final loss {final['loss']:.3f}, rewards/accuracies {final['rewards/accuracies']:.2f}, "
           f"rewards/margins {final['rewards/margins']:.2f}; {summary['pairs_per_s']:.0f} pairs/s")
     print(f"model: {result.model_dir}")
-    print_report(result.run_dir)
+    print_report(result.run_dir, cfg)
     return 0
 
 

@@ -91,6 +91,20 @@ def test_the_checker_ppo_ran_beside_as_configured_and_gives_the_same_model_as_he
     assert theirs.keys() == ours.keys() and all(torch.equal(theirs[k], ours[k]) for k in theirs)
 
 
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="SFT and the RM train in 2 processes only on >= 2 cores")
+def test_sft_and_the_reward_model_trained_in_two_ddp_processes(demo_run):
+    out, proc = demo_run
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["stage_processes"] == 2 and "trained in 2 processes" in proc.stdout
+    for stage in ("sft", "rm"):
+        ran = json.loads((out / stage / "summary.json").read_text())["parallel"]
+        assert (ran["strategy"], ran["world_size"]) == ("ddp", 2), stage
+        ran_with = yaml.safe_load((out / f"{stage}.yaml").read_text())
+        assert (out / f"{stage}.log").is_file() and ran_with["threads"] == 1 and ran_with["write_report"] is False
+        assert not (out / stage / "report.html").exists()  # as in one process: the demo's report covers it
+        assert summary["cpu_time_s"][stage] > summary["wall_time_s"][stage] * 0.5  # the children's CPU is counted
+
+
 def test_demo_with_one_thread_runs_the_checker_ppo_in_this_process(tmp_path):
     out, ppo_yaml = tmp_path / "run", tmp_path / "ppo.yaml"
     ppo_yaml.write_text("batch_size: 8\nresponse_length: 8\neval_prompts: 4\n")
@@ -100,6 +114,7 @@ def test_demo_with_one_thread_runs_the_checker_ppo_in_this_process(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert set(summary["test_pass_rate"]) == {"sft", "ppo"} and summary["side_by_side"] == {}
     assert not (out / "ppo.log").exists() and (out / "ppo" / "model" / "model.safetensors").is_file()
+    assert summary["stage_processes"] == 1 and not (out / "sft.log").exists()  # one thread asked: SFT ran here
 
 
 def test_demo_model_folder_loads_with_plain_transformers(demo_run):
@@ -275,3 +290,12 @@ def test_a_stage_without_multi_process_support_is_refused_under_a_launch(monkeyp
     err = capsys.readouterr().err
     assert "rlhflab eval runs in one process, but this launch started 2 (WORLD_SIZE=2)" in err
     assert "sft" in err and "dpo" in err  # the stages that do run multi-process are named
+
+
+def test_write_report_false_leaves_the_report_out(demo_run, tmp_path, capsys):
+    out, _ = demo_run
+    code = main(["eval", "--model", str(out / "sft" / "model"), "--split", "validation", "--num_train_prompts", "22",
+                 "--num_validation_prompts", "11", "--num_test_prompts", "11", "--max_new_tokens", "8",
+                 "--out", str(tmp_path / "ev"), "--progress", "false", "--write_report", "false"])
+    assert code == 0 and "report:" not in capsys.readouterr().out
+    assert (tmp_path / "ev" / "summary.json").is_file() and not (tmp_path / "ev" / "report.html").exists()

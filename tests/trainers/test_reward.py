@@ -7,7 +7,7 @@ import pytest
 from tinyhf import save_suite_model
 import torch
 
-from rlhflab import models, tasks
+from rlhflab import models, parallel, tasks
 from rlhflab.config import RMConfig
 from rlhflab.errors import UserInputError
 from rlhflab.trainers import reward
@@ -122,11 +122,24 @@ def test_near_misses_join_the_training_pairs_only_and_are_refused_for_a_users_pa
         reward.load_pairs(tiny_rm_cfg(backbone_dir, tmp_path, near_misses=1, train_file="x.jsonl"), None)
 
 
-@pytest.mark.parametrize("field", ["batch_size", "num_epochs", "length_chunks"])
-def test_a_zero_size_is_refused_before_the_run_folder_exists(backbone_dir, tmp_path, field):
-    with pytest.raises(UserInputError, match=">= 1"):
-        reward.train(tiny_rm_cfg(backbone_dir, tmp_path, **{field: 0}))
+@pytest.mark.parametrize(("field", "value"), [("batch_size", 0), ("num_epochs", 0), ("length_chunks", -1)])
+def test_a_bad_size_is_refused_before_the_run_folder_exists(backbone_dir, tmp_path, field, value):
+    with pytest.raises(UserInputError, match=f"{field}.*>= |>= .*{field}|must be >="):
+        reward.train(tiny_rm_cfg(backbone_dir, tmp_path, **{field: value}))
     assert not (tmp_path / "rm").exists()
+
+
+def test_length_chunks_zero_runs_one_pass_per_16_pairs_of_the_step(monkeypatch):
+    seen = []
+    monkeypatch.setattr(reward, "pair_scores", lambda model, batch, pad, chunks, shared: seen.append(chunks) or (
+        torch.zeros(len(batch), requires_grad=True), torch.zeros(len(batch), requires_grad=True)))
+    monkeypatch.setattr(reward, "clip_and_step", lambda *a, **k: torch.tensor(1.0))
+    wrapped = parallel.wrap_model(torch.nn.Linear(1, 1), parallel.init_world("cpu"), "auto")
+    pair = reward.TokenizedPair([1, 2], [1, 3], "f", "v")
+    for size, chunks in ((64, 0), (32, 0), (8, 0), (64, 3)):
+        cfg = RMConfig(model="unused", length_chunks=chunks, batch_size=size)
+        reward.train_step(wrapped, None, None, [pair] * size, parallel.share_of(size, wrapped.world), 0, cfg, True)
+    assert seen == [4, 2, 1, 3]
 
 
 def test_the_summary_says_whether_pairs_were_packed(backbone_dir, tmp_path):

@@ -29,6 +29,7 @@ class RunFields:
     report_to: str = arg("none", "extra metric sinks besides metrics.jsonl: none, or any of tensorboard, wandb, "
                                  "trackio (comma-separated)")
     progress: bool = arg(True, "show a progress bar")
+    write_report: bool = arg(True, "end the command with RUN/report.html (rlhflab report RUN writes it later too)")
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import os
 import time
 from pathlib import Path
@@ -52,6 +53,8 @@ from rlhflab.trainers.setup import configure_threads, resolve_device
 
 # Parts whose values the demo hands to every stage; other fields keep each stage's own defaults
 # (SFT's learning rate is no PPO learning rate).
+log = logging.getLogger(__name__)
+
 SHARED_PARTS = (RunFields, LoadFields, SuiteFields, GenerationFields)
 
 
@@ -214,6 +217,29 @@ def rm_later_stages(cfg: DemoConfig, run: RunDir, sft_dir: str, rm_result: RunRe
     return rm_summary, ppo_rm_result
 
 
+def stage_processes(cfg: DemoConfig) -> int:
+    """Processes SFT and the reward model train in (DemoConfig.stage_processes): as asked, else 2 on a CPU with
+    every core asked for and at least two of them, else 1."""
+    if cfg.stage_processes:
+        return cfg.stage_processes
+    return 2 if cfg.threads == 0 and cores() >= 2 and resolve_device(cfg.device).type == "cpu" else 1
+
+
+def train_stage(name: str, trainer, stage_cfg, run: RunDir, clock: StageClock, processes: int) -> RunResult:
+    """`trainer.train(stage_cfg)` here, or with processes > 1 as `torchrun -m rlhflab <name>` of one thread per
+    process (demo/beside.py), its output in RUN/<name>.log and its CPU seconds on the clock; as in this process,
+    no report.html of its own (the demo's report covers it)."""
+    if processes == 1:
+        with clock(name):
+            return trainer.train(stage_cfg)
+    log.info("%s: %d processes (torchrun, DDP, one thread each); log %s", name, processes, run.path / f"{name}.log")
+    child_cfg = dataclasses.replace(stage_cfg, threads=1, write_report=False)
+    with clock(name), StageBeside(name, child_cfg, run.path / f"{name}.log", processes) as child:
+        result = child.wait()
+    clock.add_cpu(name, child.cpu_seconds)
+    return result
+
+
 def rl_stages(cfg: DemoConfig, run: RunDir, sft_dir: str, clock: StageClock) -> dict:
     """2-5: PPO with the checker; reward model -> diagnosis -> PPO with the learned reward. Side by side
     (side_by_side), the checker's PPO starts in a second process once the reward model is trained (which
@@ -226,8 +252,8 @@ def rl_stages(cfg: DemoConfig, run: RunDir, sft_dir: str, clock: StageClock) -> 
             out["ppo"] = ppo.train(checker_ppo, monitor=RunMonitor.from_config(checker_ppo))
     if not cfg.run_rm:
         return out
-    with clock("rm"):
-        out["rm"] = reward.train(rm_stage_config(cfg, sft_dir, str(run.path / "rm")))
+    out["rm"] = train_stage("rm", reward, rm_stage_config(cfg, sft_dir, str(run.path / "rm")), run, clock,
+                            stage_processes(cfg))
     child = StageBeside("ppo", dataclasses.replace(checker_ppo, threads=1), run.path / "ppo.log") if beside else None
     with child or contextlib.nullcontext():  # the child is stopped if anything here fails
         try:
@@ -281,8 +307,8 @@ def run_demo(cfg: DemoConfig) -> RunResult:
 
     # 1. SFT from scratch: builds the tokenizer and tiny model, trains, saves run/sft/model
     sft_values = {n: getattr(cfg, n) for n in field_names(SFTConfig)}
-    with clock("sft"):
-        sft_result = sft.train(SFTConfig(**{**sft_values, "output_dir": str(run.path / "sft"), "overwrite": True}))
+    sft_cfg = SFTConfig(**{**sft_values, "output_dir": str(run.path / "sft"), "overwrite": True})
+    sft_result = train_stage("sft", sft, sft_cfg, run, clock, stage_processes(cfg))
     sft_dir, runs["sft"] = str(sft_result.model_dir), str(sft_result.run_dir)
     with clock("test_eval"):
         answers["sft"] = test_answers(run, "sft", sft_dir, cfg)
@@ -319,6 +345,7 @@ def run_demo(cfg: DemoConfig) -> RunResult:
         parameters=sft_result.summary.get("parameters"),
         **clock.summary(time.time() - started, time.process_time() - started_cpu),
         side_by_side={"ppo": rl["ppo"].summary["wall_time_s"]["total"]} if side_by_side(cfg) else {},
+        stage_processes=stage_processes(cfg),
         runs=runs,
     )
     run.close()

@@ -7,6 +7,12 @@ The stage runs through its own CLI command from its effective config written as 
 is the run `rlhflab <stage> --config RUN/<stage>.yaml` gives; its output goes to a log file
 beside its run folder. The child has its own session: a Ctrl-C at the terminal reaches only
 this process, which then stops the child once (a second signal would make it skip its checkpoint).
+
+With `processes` > 1 the child is `torchrun --standalone --nproc_per_node N -m rlhflab <stage>`: the
+stage's own multi-process training (DDP), the run one process gives up to float summation order. At
+the demo's sizes two threads in one process barely beat one (an SFT step of the demo model: 186 ms at two
+threads against 156 at one, PASSIVE OpenMP threads sleep and wake around every small op), two processes of
+one thread each take 107 ms.
 """
 
 from __future__ import annotations
@@ -28,14 +34,16 @@ class StageBeside:
     """`rlhflab <command> --config <yaml>` started now in a child process. Use as a context manager: leaving
     the block before `wait()` returned (an error, a signal) stops the child."""
 
-    def __init__(self, command: str, cfg, log_path: Path):
-        self.command, self.cfg, self.log_path = command, cfg, log_path
-        self.cpu_seconds = 0.0  # the child's own user + system CPU, known after wait()
+    def __init__(self, command: str, cfg, log_path: Path, processes: int = 1):
+        self.command, self.cfg, self.log_path, self.processes = command, cfg, log_path, processes
+        self.cpu_seconds = 0.0  # the child's own user + system CPU (its torchrun workers' too), known after wait()
         config_path = log_path.with_suffix(".yaml")
         write_config(cfg, config_path)
         env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                    str(processes)] if processes > 1 else [sys.executable]
         with log_path.open("w") as log:  # the child holds its own copy of the handle
-            self.process = subprocess.Popen([sys.executable, "-m", "rlhflab", command, "--config", str(config_path)],
+            self.process = subprocess.Popen([*launcher, "-m", "rlhflab", command, "--config", str(config_path)],
                                             stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
     def __enter__(self) -> StageBeside:
@@ -62,9 +70,10 @@ class StageBeside:
         if code in (130, 143):  # SIGINT / SIGTERM: it finished its step and wrote a checkpoint
             return (f"rlhflab {self.command} (run beside the others) was stopped and wrote a checkpoint; continue it "
                     f"with: rlhflab {self.command} --resume latest --output_dir {run_dir}")
-        return (f"rlhflab {self.command} (run beside the others in a second process) stopped with exit code {code}; "
-                f"its log {self.log_path} ends:\n{tail}\nrerun the demo with --stages_side_by_side false to run it "
-                "in this process instead")
+        where, flag = (("in a second process", "--stages_side_by_side false") if self.processes == 1 else
+                       (f"in {self.processes} processes", "--stage_processes 1"))
+        return (f"rlhflab {self.command} (run {where}) stopped with exit code {code}; its log {self.log_path} "
+                f"ends:\n{tail}\nrerun the demo with {flag} to run it in this process instead")
 
     def stop(self) -> None:
         """End a child that is still running (this process is failing); what it wrote stays on disk."""
