@@ -62,6 +62,9 @@ RUNS = {
     "sft-fsdp2": (sft_args, ["--parallel_strategy", "fsdp2"], 2),
     "rm-ddp": (rm_args, ["--parallel_strategy", "ddp"], 2),
     "rm-fsdp2": (rm_args, ["--parallel_strategy", "fsdp2"], 4),
+    # the policy's answers sampled batch by batch, every other batch on each rank (trainers/reward.py
+    # sample_policy_answers; 21 x 7 answers = 3 batches): the same answers, pairs and calibration rows as one process
+    "rm-ddp-sampled": (rm_args, ["--parallel_strategy", "ddp", "--hard_negatives", "7", "--calibration_coef", "1"], 2),
     "dpo-ddp": (dpo_args, ["--parallel_strategy", "ddp"], 2),
     "dpo-ddp-lora": (dpo_args, ["--parallel_strategy", "ddp", "--lora_r", "4"], 2),
     "dpo-fsdp2-lora": (dpo_args, ["--parallel_strategy", "fsdp2", "--lora_r", "4"], 2),

@@ -17,6 +17,7 @@ and writes.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import math
 import random
@@ -125,20 +126,44 @@ class PolicyAnswers:
     passed: list[bool]
 
 
-def sample_policy_answers(cfg, tokenizer, items: list[tasks.TaskItem]) -> PolicyAnswers:
+ANSWER_BATCH = 64  # sampled answers per generation batch; each batch draws from a generator of its own
+
+
+def answer_batch_seed(seed: int, stream: str, batch: int) -> int:
+    """The sampling seed of batch `batch` of the answers sampled for `stream` (a split)."""
+    digest = hashlib.sha256(f"rlhflab-rm-answers:{seed}:{stream}:{batch}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def sample_policy_answers(cfg, tokenizer, items: list[tasks.TaskItem], stream: str = "train",
+                          world: parallel.World | None = None) -> PolicyAnswers:
+    """`cfg.hard_negatives` answers per prompt sampled from the policy (`cfg.model`) and checked. Batch i of
+    ANSWER_BATCH answers draws from its own generator (`answer_batch_seed`), so an answer does not depend on
+    the process that samples it: with several processes each samples every W-th batch and the answers are
+    gathered, the same as one process draws, in about 1/W of its time."""
+    world = world or parallel.World()
     policy = models.load_causal_lm(cfg.model, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code,
-                                   device=resolve_device(cfg.device))
+                                   device=resolve_device(cfg.device) if not world.distributed else world.device)
     settings = GenerationSettings(HARD_NEGATIVE_TOKENS, True, 1.0)
     repeated = [item for item in items for _ in range(cfg.hard_negatives)]
-    answers = generate_answers(policy, tokenizer, [i.prompt for i in repeated], settings,
-                               generator=torch.Generator().manual_seed(cfg.seed), progress=cfg.progress)
-    passed = [tasks.check(item, a.text, a.ended_with_eos).passed for item, a in zip(repeated, answers)]
-    return PolicyAnswers(repeated, [a.text for a in answers], passed)
+    batches = [repeated[s : s + ANSWER_BATCH] for s in range(0, len(repeated), ANSWER_BATCH)]
+    mine = {}  # batch index -> [(text, passed)] of the batches this process samples
+    for b in tqdm(range(world.rank, len(batches), world.world_size), desc=f"sampling {stream} answers",
+                  unit="batch", disable=not (cfg.progress and world.is_main)):
+        generator = torch.Generator().manual_seed(answer_batch_seed(cfg.seed, stream, b))
+        answers = generate_answers(policy, tokenizer, [i.prompt for i in batches[b]], settings,
+                                   batch_size=ANSWER_BATCH, generator=generator)
+        mine[b] = [(a.text, tasks.check(item, a.text, a.ended_with_eos).passed)
+                   for item, a in zip(batches[b], answers)]
+    every = {b: rows for part in parallel.gather_objects(mine, world) for b, rows in part.items()}
+    rows = [row for b in range(len(batches)) for row in every[b]]
+    return PolicyAnswers(repeated, [text for text, _ in rows], [passed for _, passed in rows])
 
 
-def hard_negative_pairs(cfg, tokenizer, items: list[tasks.TaskItem]) -> list[data.PairExample]:
+def hard_negative_pairs(cfg, tokenizer, items: list[tasks.TaskItem],
+                        world: parallel.World | None = None) -> list[data.PairExample]:
     """Sample `cfg.hard_negatives` answers per prompt from the policy; distinct failing ones vs the reference."""
-    return failing_answer_pairs(sample_policy_answers(cfg, tokenizer, items))
+    return failing_answer_pairs(sample_policy_answers(cfg, tokenizer, items, "train", world))
 
 
 def failing_answer_pairs(answers: PolicyAnswers) -> list[data.PairExample]:
@@ -165,7 +190,9 @@ def calibration_pairs(answers: PolicyAnswers) -> tuple[list[data.PairExample], l
     return rows, labels
 
 
-def load_pairs(cfg: RMConfig, tokenizer, encoder: bool = False) -> dict[str, list[TokenizedPair]]:
+def load_pairs(cfg: RMConfig, tokenizer, encoder: bool = False,
+               world: parallel.World | None = None) -> dict[str, list[TokenizedPair]]:
+    """Every split's pairs, tokenised (the same on every process of `world`, which share the answer sampling)."""
     if cfg.hard_negatives and cfg.train_file:
         raise UserInputError("hard negatives need the built-in suite's checker", "--hard_negatives",
                              "drop --hard_negatives, or add the policy's failing answers to your pairs file")
@@ -182,7 +209,7 @@ def load_pairs(cfg: RMConfig, tokenizer, encoder: bool = False) -> dict[str, lis
     calibration, labels = [], []
     if cfg.hard_negatives:
         for split, items in splits.items():
-            answers = sample_policy_answers(cfg, tokenizer, items)
+            answers = sample_policy_answers(cfg, tokenizer, items, split, world)
             pairs[split] += failing_answer_pairs(answers)
             if split == "train" and cfg.calibration_coef > 0:
                 calibration, labels = calibration_pairs(answers)
@@ -350,20 +377,26 @@ def train_step(wrapped: parallel.Wrapped, optimizer, scheduler, batch: list[Toke
     """One optimiser step on this rank's pairs of the global batch (`share.real` real ones, then padding).
 
     Each rank's loss is its mean weighted by its share of the global batch, so the parts sum to the
-    global batch's mean loss (a last, partial batch splits unevenly); metrics are summed the same way."""
+    global batch's mean loss (a last, partial batch splits unevenly). Accuracy and margin are means over the
+    global batch's preference pairs: each rank sends its sums and its count (calibration rows are not pairs,
+    and ranks hold different numbers of them)."""
     chunks = cfg.length_chunks or max(1, len(batch) // PAIRS_PER_CHUNK)  # len(batch): the same on every rank
     chosen, rejected = wrapped(pair_scores, batch, pad_id, chunks, shared_prefix)
     chosen, rejected = chosen[: share.real], rejected[: share.real]  # padding rows carry no weight
+    parts = {"loss/rm": 0.0, "accuracy_sum": 0.0, "margin_sum": 0.0, "pairs": 0.0}
     if share.real:
         loss, stats = batch_loss(chosen, rejected, batch[: share.real], cfg)
         part = loss * share.weight
-        parts = {"loss/rm": part.item(), "rm/accuracy": stats["accuracy"] * share.weight,
-                 "rm/margin": stats["margin"] * share.weight}
+        pairs = sum(p.labels is None for p in batch[: share.real])  # preference pairs (not calibration rows) here
+        parts |= {"loss/rm": part.item(), "pairs": float(pairs)}
+        if pairs:
+            parts |= {"accuracy_sum": stats["accuracy"] * pairs, "margin_sum": stats["margin"] * pairs}
     else:  # no real pair here: a zero loss still runs backward, as every rank must
         part = (chosen.sum() + rejected.sum()) * 0.0  # both outputs: ZeRO-3 fetches weights per output in backward
-        parts = {"loss/rm": 0.0, "rm/accuracy": 0.0, "rm/margin": 0.0}
     wrapped.backward(part)
-    stats = parallel.sum_metrics(parts, wrapped.world)  # the global batch's
+    sums = parallel.sum_metrics(parts, wrapped.world)  # the global batch's
+    per_pair = lambda key: sums[key] / sums["pairs"] if sums["pairs"] else math.nan  # noqa: E731
+    stats = {"loss/rm": sums["loss/rm"], "rm/accuracy": per_pair("accuracy_sum"), "rm/margin": per_pair("margin_sum")}
     grad_norm = clip_and_step(optimizer, scheduler, wrapped.model.parameters(), cfg.max_grad_norm, stats["loss/rm"],
                               cfg.nonfinite, "reward-model", engine=wrapped)  # None: update dropped
     return {**stats, "grad_norm": math.nan if grad_norm is None else grad_norm.item(), "skipped": grad_norm is None}
@@ -398,7 +431,7 @@ def train(cfg: RMConfig, run: RunDir | None = None) -> RunResult:
     models.disable_dropout(model)
     model.train()
     # 2. pairs, validated and tokenised before the run folder exists (every rank builds the same)
-    pairs = load_pairs(cfg, tokenizer, models.is_encoder_reward_model(model))
+    pairs = load_pairs(cfg, tokenizer, models.is_encoder_reward_model(model), world)
     world.check_same(pairs["train"], "the tokenised training pairs")
     wrapped = parallel.wrap_model(model, world, cfg.parallel_strategy)
     shared_prefix = use_shared_prefix(cfg, wrapped.model)
