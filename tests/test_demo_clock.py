@@ -28,3 +28,15 @@ def test_cpu_spent_in_a_child_process_is_added_to_its_part_and_the_total():
     clock.add_cpu("ppo", 12.25)
     summary = clock.summary(total_wall=1.0, total_cpu=0.5)
     assert summary["cpu_time_s"]["ppo"] == 12.2 and summary["cpu_time_s"]["total"] == 12.8
+
+
+def test_sft_and_the_rm_take_two_processes_only_on_a_cpu_with_every_core_of_at_least_two(monkeypatch):
+    import rlhflab.demo as demo
+    from rlhflab.config import DemoConfig
+
+    monkeypatch.setattr(demo, "cores", lambda: 2)
+    assert demo.stage_processes(DemoConfig(threads=0, device="cpu")) == 2
+    assert demo.stage_processes(DemoConfig(threads=1, device="cpu")) == 1  # one thread asked: this process
+    assert demo.stage_processes(DemoConfig(threads=0, device="cpu", stage_processes=3)) == 3  # as asked
+    monkeypatch.setattr(demo, "cores", lambda: 1)
+    assert demo.stage_processes(DemoConfig(threads=0, device="cpu")) == 1

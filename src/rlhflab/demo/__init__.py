@@ -270,6 +270,9 @@ def rl_stages(cfg: DemoConfig, run: RunDir, sft_dir: str, clock: StageClock) -> 
 
 def check_later_stages(cfg: DemoConfig) -> None:
     """Build the PPO and RM stage configs and the monitor now, so a bad YAML or field fails before SFT runs."""
+    if cfg.stage_processes < 0:
+        raise UserInputError(f"stage_processes must be >= 0, not {cfg.stage_processes}", "--stage_processes",
+                             "use 0 (2 on a CPU with >= 2 cores), 1 (this process) or the number of processes")
     placeholder = str(Path(cfg.output_dir or ".") / "sft" / "model")
     for reward_fields in ({}, {"reward": "model", "reward_model": placeholder, "normalize_reward": True}):
         ppo_cfg = ppo_stage_config(cfg, placeholder, placeholder, **reward_fields)
