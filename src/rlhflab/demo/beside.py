@@ -68,8 +68,10 @@ class StageBeside:
         code, run_dir = self.process.returncode, self.cfg.output_dir
         tail = "\n".join(self.log_path.read_text().splitlines()[-15:])
         if code in (130, 143):  # SIGINT / SIGTERM: it finished its step and wrote a checkpoint
-            return (f"rlhflab {self.command} (run beside the others) was stopped and wrote a checkpoint; continue it "
-                    f"with: rlhflab {self.command} --resume latest --output_dir {run_dir}")
+            launch = "" if self.processes == 1 else f"torchrun --nproc_per_node {self.processes} -m "
+            return (f"rlhflab {self.command} (run in {self.processes} process(es) beside this one) was stopped and "
+                    f"wrote a checkpoint; continue it with: {launch}rlhflab {self.command} --resume latest "
+                    f"--output_dir {run_dir}")
         where, flag = (("in a second process", "--stages_side_by_side false") if self.processes == 1 else
                        (f"in {self.processes} processes", "--stage_processes 1"))
         return (f"rlhflab {self.command} (run {where}) stopped with exit code {code}; its log {self.log_path} "
