@@ -40,7 +40,8 @@ def test_reading_some_positions_equals_the_full_forward_values_and_gradients(arc
     plan = models.plan_lean(model, allow_training=True)
     ids, mask, positions = suite_prompts(tokenizer, 6)
     flags = torch.rand(ids.shape, generator=torch.Generator().manual_seed(0)) < 0.3
-    flags[:, -1] = True  # every row's last token, and some of its others (padding ones too)
+    flags[:, -1] = True  # every row's last token, and some of its others (padding ones too) ...
+    flags[2] = False  # ... but one row reads nothing
     read, valid = models.read_columns(flags)
     full = models.lean_hidden(plan, ids, mask, positions)[flags]
     part = models.lean_hidden(plan, ids, mask, positions, read=read)[valid]
@@ -114,3 +115,10 @@ def test_value_model_lean_path_equals_its_own_forward_at_the_kept_positions():
     lean = value(ids, mask.long(), positions, keep=7, lean=True)
     assert models.plan_lean(value.backbone, allow_training=True) is not None  # the lean path really ran
     torch.testing.assert_close(lean[mask[:, -7:]], own[mask[:, -7:]], rtol=0, atol=1e-5)
+
+
+def test_a_batch_with_an_empty_prompt_runs_unpacked():
+    ids = torch.tensor([[0, 0, 0], [0, 21, 22], [31, 32, 33]])  # the first prompt has no token
+    mask = ids != 0
+    rows = prompt_rows(ids, mask, data.position_ids_from_mask(mask.long()), pad_id=0)
+    assert rows.slots is None and torch.equal(rows.input_ids, ids)

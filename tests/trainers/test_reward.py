@@ -124,7 +124,7 @@ def test_near_misses_join_the_training_pairs_only_and_are_refused_for_a_users_pa
 
 @pytest.mark.parametrize(("field", "value"), [("batch_size", 0), ("num_epochs", 0), ("length_chunks", -1)])
 def test_a_bad_size_is_refused_before_the_run_folder_exists(backbone_dir, tmp_path, field, value):
-    with pytest.raises(UserInputError, match=f"{field}.*>= |>= .*{field}|must be >="):
+    with pytest.raises(UserInputError, match=f"{field} must be >= "):
         reward.train(tiny_rm_cfg(backbone_dir, tmp_path, **{field: value}))
     assert not (tmp_path / "rm").exists()
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -73,7 +74,8 @@ class StageBeside:
                     f"wrote a checkpoint; continue it with: {launch}rlhflab {self.command} --resume latest "
                     f"--output_dir {run_dir}")
         where, flag = (("in a second process", "--stages_side_by_side false") if self.processes == 1 else
-                       (f"in {self.processes} processes", "--stage_processes 1"))
+                       (f"in {self.processes} processes; torchrun exits 1 whichever process failed or was "
+                        "stopped, the log names it", "--stage_processes 1"))
         return (f"rlhflab {self.command} (run {where}) stopped with exit code {code}; its log {self.log_path} "
                 f"ends:\n{tail}\nrerun the demo with {flag} to run it in this process instead")
 
@@ -84,6 +86,6 @@ class StageBeside:
         self.process.terminate()
         try:
             self.process.wait(timeout=STOP_GRACE_S)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
+        except subprocess.TimeoutExpired:  # the whole session: torchrun and the processes it started
+            os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait()

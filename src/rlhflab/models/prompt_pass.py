@@ -46,7 +46,8 @@ def prompt_rows(query_ids: Tensor, query_mask: Tensor, positions: Tensor, pad_id
     device = query_ids.device
     lengths = query_mask.sum(dim=1).tolist()
     groups, longest = packed_groups(lengths)
-    if len(groups) * longest > (1 - PACK_WHEN_SAVING) * count * width:
+    # an empty prompt has no last token of its own in a packed row: such a batch runs as it is
+    if min(lengths) == 0 or len(groups) * longest > (1 - PACK_WHEN_SAVING) * count * width:
         read = torch.full((count, 1), width - 1, dtype=torch.long, device=device)
         return PromptRows(query_ids, positions, causal_allowed(query_mask), read,
                           torch.arange(count, device=device), None)

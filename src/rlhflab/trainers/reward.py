@@ -408,9 +408,9 @@ def train(cfg: RMConfig, run: RunDir | None = None) -> RunResult:
     if not cfg.model:
         raise UserInputError("no backbone given", "--model",
                              "pass the SFT model folder (or any HF causal LM, or an encoder such as BERT)")
-    if cfg.num_epochs < 1 or cfg.batch_size < 1 or cfg.length_chunks < 0:
-        raise UserInputError(f"num_epochs and batch_size must be >= 1 and length_chunks >= 0 (got {cfg.num_epochs}, "
-                             f"{cfg.batch_size}, {cfg.length_chunks})", "rm config")
+    for field, least in (("num_epochs", 1), ("batch_size", 1), ("length_chunks", 0)):
+        if getattr(cfg, field) < least:
+            raise UserInputError(f"{field} must be >= {least}, not {getattr(cfg, field)}", f"rm config, --{field}")
     if not 0.0 <= cfg.average_weights <= 1.0:
         raise UserInputError(f"average_weights must be a fraction of the steps in [0, 1], not {cfg.average_weights}",
                              "--average_weights", "use e.g. 0.4 (the last 40 % of the steps) or 0 (off)")
