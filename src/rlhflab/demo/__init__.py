@@ -51,10 +51,10 @@ from rlhflab.demo.beside import StageBeside
 from rlhflab.trainers.headroom import headroom_verdict, record_start_headroom
 from rlhflab.trainers.setup import configure_threads, resolve_device
 
-# Parts whose values the demo hands to every stage; other fields keep each stage's own defaults
-# (SFT's learning rate is no PPO learning rate).
 log = logging.getLogger(__name__)
 
+# Parts whose values the demo hands to every stage; other fields keep each stage's own defaults
+# (SFT's learning rate is no PPO learning rate).
 SHARED_PARTS = (RunFields, LoadFields, SuiteFields, GenerationFields)
 
 

@@ -17,7 +17,6 @@ and writes.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
 import math
 import random
@@ -47,6 +46,7 @@ from rlhflab.trainers.setup import (
     make_scheduler,
     resolve_device,
     seed_everything,
+    stream_seed,
 )
 
 log = logging.getLogger("rlhflab")
@@ -131,8 +131,7 @@ ANSWER_BATCH = 64  # sampled answers per generation batch; each batch draws from
 
 def answer_batch_seed(seed: int, stream: str, batch: int) -> int:
     """The sampling seed of batch `batch` of the answers sampled for `stream` (a split)."""
-    digest = hashlib.sha256(f"rlhflab-rm-answers:{seed}:{stream}:{batch}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") >> 1
+    return stream_seed("rlhflab-rm-answers", seed, stream, batch)
 
 
 def sample_policy_answers(cfg, tokenizer, items: list[tasks.TaskItem], stream: str = "train",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import logging
 import os
 import platform
@@ -51,6 +52,13 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
+
+
+def stream_seed(name: str, *parts) -> int:
+    """A seed of its own for the random stream `name` at `parts` (e.g. a run's seed and an update), apart from
+    every other stream drawn from the same run seed."""
+    digest = hashlib.sha256(":".join([name, *map(str, parts)]).encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
 
 
 def seed_everything(seed: int, deterministic: bool = False) -> None:

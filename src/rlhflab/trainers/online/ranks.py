@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import hashlib
 import math
 from dataclasses import dataclass, replace
 from typing import Iterator
@@ -44,12 +43,12 @@ from rlhflab.rollout.backends import backend_of, use_backend
 from rlhflab.rollout.generate import BatchPlace
 from rlhflab.rollout.roles import Engines, PolicyRoles
 from rlhflab.rollout.rollout import Rollout
+from rlhflab.trainers.setup import stream_seed
 
 
 def rollout_seed(seed: int, update: int) -> int:
     """The token-sampling seed of update `update`: a stream of its own, apart from the prompt order's (`seed`)."""
-    digest = hashlib.sha256(f"rlhflab-rollout:{seed}:{update}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") >> 1
+    return stream_seed("rlhflab-rollout", seed, update)
 
 
 def rollout_generator(seed: int, update: int, device) -> torch.Generator:
