@@ -39,7 +39,7 @@ def test_distinct_prompts_finds_each_prompt_and_its_rows():
 
 @pytest.mark.parametrize(("arch", "prompts"), [("llama", 3), ("qwen2", 3), ("llama", 8)])
 def test_shared_prompt_logits_and_gradients_equal_the_plain_forward(arch, prompts):
-    """3 prompts x 4: one block of answers; 8 x 4: four blocks of answers sorted by length."""
+    """3 prompts x 4 and 8 x 4 sampled answers: groups packed into one row or several; past each answer 0."""
     model, out = tiny_rollout(arch, prompts=prompts)
     model.train(True)
     models.disable_dropout(model)
@@ -50,6 +50,14 @@ def test_shared_prompt_logits_and_gradients_equal_the_plain_forward(arch, prompt
     plain = joined_logits(plan, out)
     shared = models.shared_prompt_logits(plan, out.query_ids, out.query_mask, out.response_ids, mask, *groups)
     torch.testing.assert_close(shared[mask], plain[mask], rtol=0, atol=1e-5)
+    assert bool((shared[~mask] == 0).all())
+    rows = models.shared_prompt.answer_rows(out.query_ids, out.query_mask, out.response_ids, mask, *groups, 0)
+    assert int((rows.input_ids != 0).sum()) == int(out.query_mask[groups[0]].sum() + mask.sum())  # each prompt once
+    shuffled = torch.randperm(len(mask), generator=torch.Generator().manual_seed(0))
+    again = models.shared_prompt_logits(plan, *(t[shuffled] for t in (out.query_ids, out.query_mask, out.response_ids,
+                                                                     mask)), *models.distinct_prompts(
+        out.query_ids[shuffled], out.query_mask[shuffled]))
+    assert torch.equal(again[torch.argsort(shuffled)], shared)  # the rows' order changes no bit (ratio exactly 1)
     params = [p for p in model.parameters() if p.requires_grad]
     weights = torch.randn(plain[mask].shape, generator=torch.Generator().manual_seed(1))
     g_plain = torch.autograd.grad((plain[mask] * weights).sum(), params)

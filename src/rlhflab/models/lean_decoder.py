@@ -126,10 +126,11 @@ class LeanDecoder:
     def select_rows(self, rows: Tensor) -> None:
         """Decode rows `rows` of the current ones from now on: each distinct prompt prefilled once, then given
         to each of its answers (models/shared_prompt.py), or the rows still unfinished (rollout/generate.py)."""
-        self.keys = [k[rows] for k in self.keys]
-        self.values = [v[rows] for v in self.values]
-        self.key_bias, self.cos, self.sin, self.logits = (t[rows] for t in (self.key_bias, self.cos, self.sin,
-                                                                            self.logits))
+        # index_select, not t[rows]: on the (B, H_kv, P + N, D) buffers advanced indexing is ~6x slower (1 MB:
+        # 114 against 19 us at 1 thread), and a rollout selects rows a few times over 8 buffers
+        pick = lambda t: t.index_select(0, rows)  # noqa: E731
+        self.keys, self.values = [pick(k) for k in self.keys], [pick(v) for v in self.values]
+        self.key_bias, self.cos, self.sin, self.logits = map(pick, (self.key_bias, self.cos, self.sin, self.logits))
 
     @torch.no_grad()
     def step(self, token: Tensor) -> Tensor:

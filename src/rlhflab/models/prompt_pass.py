@@ -116,4 +116,5 @@ def prompt_pass(plan: LeanPlan, query_ids: Tensor, query_mask: Tensor, positions
 def padded(t: Tensor, slots: Tensor) -> Tensor:
     """(R, H_kv, W, D) keys or values of packed rows -> (N, H_kv, P, D) in the prompts' left-padded layout."""
     rows, heads, width, dim = t.shape
-    return t.transpose(1, 2).reshape(rows * width, heads, dim)[slots].transpose(1, 2)
+    flat = t.transpose(1, 2).reshape(rows * width, heads, dim).index_select(0, slots.reshape(-1))
+    return flat.view(*slots.shape, heads, dim).transpose(1, 2)

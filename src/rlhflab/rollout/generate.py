@@ -85,7 +85,7 @@ def next_tokens(logits: Tensor, settings: GenerationSettings, generator: torch.G
     # noise on every process (BatchPlace). U == 0 gives E = inf: that token loses the race, never a NaN.
     uniform = torch.empty_like(probs) if rows is None else probs.new_empty((batch, probs.shape[1]))
     uniform.uniform_(generator=generator)
-    race = (uniform if rows is None else uniform[rows]).log_().neg_()
+    race = (uniform if rows is None else uniform.index_select(0, rows)).log_().neg_()
     return torch.div(probs, race, out=race).argmax(dim=-1)
 
 

@@ -152,7 +152,7 @@ class PolicyRoles:
         plan = models.plan_lean(model, allow_training=True) if self.lean else None
         if self.value_mode == "none" and plan is not None and plan.lm_head is not None:
             groups = models.distinct_prompts(query_ids, query_mask)
-            if groups is not None:
+            if groups is not None and bool(query_mask.any(dim=1).all()):  # an empty prompt has no last token
                 return models.shared_prompt_logits(plan, query_ids, query_mask, response_ids, response_mask, *groups)
         input_ids, attention, positions = joined(query_ids, query_mask, response_ids, response_mask)
         keep = response_ids.shape[1] + 1  # the LM head runs on the last prompt position and the responses only
