@@ -41,7 +41,11 @@ def _norm(module: nn.Module) -> Callable[[Tensor], Tensor]:
     weight = getattr(module, "weight", None)
     if type(module).__name__ in ("LlamaRMSNorm", "Qwen2RMSNorm") and eps is not None and weight is not None \
             and weight.dtype == torch.float32:
-        return lambda x: F.rms_norm(x, weight.shape, weight, eps)
+        def rms_norm(x: Tensor) -> Tensor:
+            return F.rms_norm(x, weight.shape, weight, eps)
+
+        rms_norm.rms_parts = (weight, eps)  # tagged, so the decoder can fold the weight into the next matmul
+        return rms_norm
     return module
 
 

@@ -22,6 +22,7 @@ in four length-sorted padded blocks beside separately computed prompt keys.
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
 
 import torch
@@ -52,6 +53,12 @@ class AnswerRows:
     allowed: Tensor  # (R, W, W) bool: query i may read key j
     read: Tensor  # (R, m) columns whose logits are read (repeats fill a row)
     logit_index: Tensor  # (B, T) each response position's logits as a flat index into (R * m + 1); R * m = zeros
+
+
+def _long(values: list[int], device: torch.device) -> Tensor:
+    """A 1-D long tensor of a Python list (through an array: ~10x faster than torch.tensor at a rollout's sizes)."""
+    return torch.frombuffer(array("q", values), dtype=torch.long).to(device) if values else \
+        torch.zeros(0, dtype=torch.long, device=device)
 
 
 class _Layout:
@@ -97,7 +104,7 @@ def answer_rows(query_ids: Tensor, query_mask: Tensor, response_ids: Tensor, res
     # the layout depends on which rows the batch holds, not their order (distinct prompts come numbered in
     # torch.unique's sorted order; a group's answers go in the order of their tokens): a shuffled batch gives
     # the same numbers bit for bit, so a training pass over the rollout's rows in any order has ratio exactly 1
-    tokens_of = [tuple(response_ids[b, :n].tolist()) for b, n in enumerate(answer_lengths)]
+    tokens_of = [tuple(row[:n]) for row, n in zip(response_ids.tolist(), answer_lengths)]
     answers_of = [sorted(rows, key=tokens_of.__getitem__) for rows in answers_of]
     sizes = [p + sum(answer_lengths[b] for b in answers_of[n]) for n, p in enumerate(prompt_lengths)]
     groups, width = packed_groups(sizes)
@@ -118,25 +125,24 @@ def answer_rows(query_ids: Tensor, query_mask: Tensor, response_ids: Tensor, res
     device, rows = query_ids.device, len(groups)
     tokens = torch.cat([prompts.reshape(-1), response_ids.reshape(-1)])
     ids = torch.full((rows * width,), pad_id, dtype=torch.long, device=device)
-    ids[torch.tensor(layout.slots, device=device)] = tokens[torch.tensor(layout.sources, device=device)]
+    ids[_long(layout.slots, device)] = tokens[_long(layout.sources, device)]
     m = max(max(len(r) for r in layout.read), 1)
-    read = torch.tensor([r + [r[0] if r else 0] * (m - len(r)) for r in layout.read], dtype=torch.long)
-    index = torch.full((batch, answer_width), rows * m, dtype=torch.long)  # R * m: the zero row past an answer
+    read = _long([c for r in layout.read for c in r + [r[0] if r else 0] * (m - len(r))], device).view(rows, m)
+    index = []  # (B, T) flat read indices; R * m is the zero row past an answer
     for b, n in enumerate(group_of):
         r, c = prompt_read[n]
-        index[b, 0] = r * m + c
+        index.append(r * m + c)  # the prompt's last token predicts every answer's first
         r, c = answer_read[b]
-        predicted = answer_lengths[b] - 1  # answer tokens 1 .. n-1 are predicted from tokens 0 .. n-2
-        index[b, 1:1 + predicted] = torch.arange(r * m + c, r * m + c + predicted)
-    return AnswerRows(ids.view(rows, width), torch.tensor(layout.positions, device=device).view(rows, width),
-                      _allowed(layout, device), read.to(device), index.to(device))
+        predicted = max(answer_lengths[b] - 1, 0)  # answer tokens 1 .. n-1 are predicted from tokens 0 .. n-2
+        index += list(range(r * m + c, r * m + c + predicted)) + [rows * m] * (answer_width - 1 - predicted)
+    return AnswerRows(ids.view(rows, width), _long(layout.positions, device).view(rows, width),
+                      _allowed(layout, device), read, _long(index, device).view(batch, answer_width))
 
 
 def _allowed(layout: _Layout, device: torch.device) -> Tensor:
     """(R, W, W): a token reads the earlier tokens of its group's prompt and of its own part; padding itself."""
     rows, width = len(layout.read), layout.width
-    group = torch.tensor(layout.group, device=device).view(rows, width)
-    part = torch.tensor(layout.part, device=device).view(rows, width)
+    group, part = _long(layout.group, device).view(rows, width), _long(layout.part, device).view(rows, width)
     causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
     same_group = (group[:, :, None] == group[:, None, :]) & (group[:, None, :] >= 0)
     own_part = (part[:, None, :] == 0) | (part[:, None, :] == part[:, :, None])
