@@ -1,6 +1,7 @@
 """`rlhflab <stage> --config file.yaml --field value`.
 
-Stages: demo, sft, eval, rm, rm diagnose, ppo, grpo, rloo, reinforce, online-dpo, dpo, compare, tasks export, report, sweep. `rlhflab <stage> --help` lists every
+Stages: demo, sft, eval, rm, rm diagnose, ppo, grpo, rloo, reinforce, online-dpo, dpo, compare, tasks export, report, sweep,
+chain (several stages in one process or launch). `rlhflab <stage> --help` lists every
 field with its default and help.
 
 Exit codes: 0 done; 2 a user mistake (the message says what, where, what to do); 3 stopped
@@ -47,6 +48,8 @@ stages:
   report         RUN_DIR -> RUN_DIR/report.html; RUN_A RUN_B ... [--out FILE] -> one page comparing the runs
   sweep          --stage ppo --vary cliprange=0.1,0.2,0.3 [--out DIR]: one run per value, all else fixed,
                  then DIR/comparison.html and a table (`rlhflab sweep --help`)
+  chain          STAGE [fields] then STAGE [fields] ...: stages one after another in this process (under torchrun:
+                 one start-up and one process group for all), e.g. chain sft --config a.yaml then rm --config b.yaml
   compare        --model SFT_DIR --methods ppo,grpo,dpo [--budget episodes=N|seconds=S]: each method from the same
                  model, prompts, seed and budget; the same test and KL; DIR/report.html side by side
 
@@ -111,7 +114,7 @@ def run_demo(cfg) -> int:
               f"{summary['side_by_side']['ppo']:.0f} s of its own (RUN/ppo.log)")
     if summary.get("stage_processes", 1) > 1:
         print(f"  SFT and the reward model trained in {summary['stage_processes']} processes (torchrun, DDP, one thread "
-              "each; RUN/sft.log, RUN/rm.log)")
+              "each, one launch; RUN/sft.log)")
     print_report(result.run_dir, cfg)
     return 0
 
@@ -360,9 +363,56 @@ def refuse_single_process_stage_in_a_launch(stage: str) -> None:
                              f"{', '.join(able)}")
 
 
+CHAIN_WORD = "then"
+
+
+def chain_segments(argv: list[str]) -> list[tuple[str, list[str]]]:
+    """`sft --config a.yaml then rm --config b.yaml` -> [("sft", [...]), ("rm", [...])], each stage's config
+    parsed now, so a mistake in any of them fails before the first runs."""
+    segments, current = [], []
+    for word in [*argv, CHAIN_WORD]:
+        if word != CHAIN_WORD:
+            current.append(word)
+            continue
+        if not current:
+            raise UserInputError(f"an empty stage in the chain ('{CHAIN_WORD}' at the start, the end or twice)",
+                                 "rlhflab chain", f"usage: rlhflab chain STAGE [fields] {CHAIN_WORD} STAGE [fields] ...")
+        stage, rest = split_stage(current)
+        if stage not in STAGES or stage in ("demo", "chain"):
+            raise UserInputError(f"rlhflab {stage} cannot run in a chain", "rlhflab chain",
+                                 "chain the training and evaluation stages: sft, rm, dpo, ppo, grpo, rloo, "
+                                 "reinforce, online-dpo, eval, rm diagnose")
+        refuse_single_process_stage_in_a_launch(stage)
+        segments.append((stage, rest))
+        current = []
+    return segments
+
+
+def run_chain(argv: list[str]) -> int:
+    """`rlhflab chain`: each stage in turn, all processes waiting for each other between stages (a later stage
+    reads what an earlier one saved); the first non-zero exit code ends the chain."""
+    if not argv or argv[0] in ("-h", "--help"):
+        print(f"usage: rlhflab chain STAGE [--config FILE.yaml] [--field value ...] {CHAIN_WORD} STAGE [...] ...\n\n"
+              "Runs the stages one after another in this process; under torchrun / accelerate launch all of them in "
+              "one launch\n(one start-up, one process group). Every stage's fields are checked before the first runs.")
+        return 0
+    configs = [(stage, parse_config(STAGES[stage], rest, prog=f"rlhflab {stage}")) for stage, rest in
+               chain_segments(argv)]
+    for stage, cfg in configs:
+        code = COMMANDS[stage](cfg)
+        from rlhflab.parallel.world import barrier_if_joined
+
+        barrier_if_joined()  # the next stage may read what this one saved on rank 0
+        if code:
+            return code
+    return 0
+
+
 def run_command(argv: list[str], name: str) -> int:
     """The stage's command; a user mistake, a non-finite stop or a signal becomes a message and an exit code."""
     try:
+        if argv[0] == "chain":  # several stages, each with its own fields
+            return run_chain(argv[1:])
         stage, rest = split_stage(argv)
         refuse_single_process_stage_in_a_launch(stage)
         if stage == "sweep":  # not one config: a stage's config plus --stage / --vary

@@ -96,11 +96,12 @@ def test_sft_and_the_reward_model_trained_in_two_ddp_processes(demo_run):
     out, proc = demo_run
     summary = json.loads((out / "summary.json").read_text())
     assert summary["stage_processes"] == 2 and "trained in 2 processes" in proc.stdout
+    assert (out / "sft.log").is_file() and not (out / "rm.log").exists()  # one launch for both (rlhflab chain)
     for stage in ("sft", "rm"):
         ran = json.loads((out / stage / "summary.json").read_text())["parallel"]
         assert (ran["strategy"], ran["world_size"]) == ("ddp", 2), stage
         ran_with = yaml.safe_load((out / f"{stage}.yaml").read_text())
-        assert (out / f"{stage}.log").is_file() and ran_with["threads"] == 1 and ran_with["write_report"] is False
+        assert ran_with["threads"] == 1 and ran_with["write_report"] is False
         assert not (out / stage / "report.html").exists()  # as in one process: the demo's report covers it
         assert summary["cpu_time_s"][stage] > summary["wall_time_s"][stage] * 0.5  # the children's CPU is counted
 
@@ -266,6 +267,30 @@ def test_rm_diagnose_command(demo_run, tmp_path, capsys):
     summary = json.loads((tmp_path / "diag" / "summary.json").read_text())
     assert summary["rm_diagnosis"]["answers"] == 22
     assert (tmp_path / "diag" / "worst_cases.md").is_file() and (tmp_path / "diag" / "report.html").is_file()
+
+
+def test_chain_runs_stages_in_turn_the_later_reading_what_the_earlier_saved(demo_run, tmp_path, capsys):
+    out, _ = demo_run
+    tiny = ["--num_train_prompts", "22", "--num_validation_prompts", "11", "--num_test_prompts", "11",
+            "--progress", "false"]
+    code = main(["chain", "rm", "--model", str(out / "sft" / "model"), "--out", str(tmp_path / "rm"), *tiny,
+                 "then", "rm", "diagnose", "--reward-model", str(tmp_path / "rm" / "model"), "--policy",
+                 str(out / "sft" / "model"), "--out", str(tmp_path / "diag"), "--max_new_tokens", "8", *tiny])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "test: pairwise accuracy" in printed and "point-biserial" in printed  # each stage's own printout
+    assert json.loads((tmp_path / "diag" / "summary.json").read_text())["rm_diagnosis"]["answers"] == 22
+
+
+@pytest.mark.parametrize("argv, named", [(["sft", "--max_steps", "1", "then", "rm", "--num_epoch", "2"],
+                                          "did you mean 'num_epochs'"),
+                                         (["sft", "then"], "an empty stage"),
+                                         (["sft", "then", "demo"], "rlhflab demo cannot run in a chain")])
+def test_chain_refuses_a_bad_stage_before_the_first_runs(tmp_path, capsys, argv, named):
+    out = tmp_path / "sft"
+    assert main(["chain", *argv[:1], "--out", str(out), *argv[1:]]) == 2
+    assert named in capsys.readouterr().err
+    assert not out.exists()  # the first stage never started
 
 
 def test_demo_refuses_a_bad_later_stage_config_before_training(tmp_path, capsys):

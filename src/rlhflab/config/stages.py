@@ -145,8 +145,9 @@ class DemoConfig(SFTConfig):
                                           "in a second process (RUN/ppo.yaml, RUN/ppo.log) beside the RM diagnosis "
                                           "and the RM's PPO stage, one thread each (a demo-size PPO stage keeps about "
                                           "one core busy whatever its threads; measured on 2 cores)")
-    stage_processes: int = arg(0, "processes SFT and the reward model train in (torchrun -m rlhflab sft|rm, DDP, one "
-                                  "thread each; RUN/sft.log, RUN/rm.log); 0 = 2 on a CPU with >= 2 cores at threads 0 "
+    stage_processes: int = arg(0, "processes SFT and the reward model train in (torchrun -m rlhflab chain sft then "
+                                  "rm: one launch, DDP, one thread each; RUN/sft.log); 0 = 2 on a CPU with >= 2 cores "
+                                  "at threads 0 "
                                   "(an SFT step of the demo model: 107 ms against 186 at two threads in one process), "
                                   "else 1 (in this process)")
     rm_config: str = arg("", "YAML of RMConfig fields for the demo's reward model (e.g. configs/rm_tiny.yaml)")

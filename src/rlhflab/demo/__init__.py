@@ -86,6 +86,11 @@ class StageClock:
         self.wall[name] = self.wall.get(name, 0.0) + time.time() - wall
         self.cpu[name] = self.cpu.get(name, 0.0) + time.process_time() - cpu
 
+    def add(self, name: str, wall: float, cpu: float) -> None:
+        """Wall and CPU seconds of this process measured elsewhere for part `name` (a share of a longer span)."""
+        self.wall[name] = self.wall.get(name, 0.0) + wall
+        self.cpu[name] = self.cpu.get(name, 0.0) + cpu
+
     def add_cpu(self, name: str, seconds: float) -> None:
         """CPU seconds spent elsewhere (a stage run in a child process) for part `name` and the total."""
         self.cpu[name] = self.cpu.get(name, 0.0) + seconds
@@ -225,35 +230,49 @@ def stage_processes(cfg: DemoConfig) -> int:
     return 2 if cfg.threads == 0 and cores() >= 2 and resolve_device(cfg.device).type == "cpu" else 1
 
 
-def train_stage(name: str, trainer, stage_cfg, run: RunDir, clock: StageClock, processes: int) -> RunResult:
-    """`trainer.train(stage_cfg)` here, or with processes > 1 as `torchrun -m rlhflab <name>` of one thread per
-    process (demo/beside.py), its output in RUN/<name>.log and its CPU seconds on the clock; as in this process,
-    no report.html of its own (the demo's report covers it)."""
+def train_stages(stages: list[tuple[str, object, object]], run: RunDir, clock: StageClock,
+                 processes: int) -> list[RunResult]:
+    """Each (name, trainer, config) in turn: `trainer.train(config)` here, or with processes > 1 all of them in one
+    `torchrun -m rlhflab chain` of one thread per process (demo/beside.py: one start-up, one process group), its
+    output in RUN/<first name>.log and its CPU seconds on the clock; as in this process, no report.html of their
+    own (the demo's report covers them)."""
     if processes == 1:
-        with clock(name):
-            return trainer.train(stage_cfg)
-    log.info("%s: %d processes (torchrun, DDP, one thread each); log %s", name, processes, run.path / f"{name}.log")
-    child_cfg = dataclasses.replace(stage_cfg, threads=1, write_report=False)
-    with clock(name), StageBeside(name, child_cfg, run.path / f"{name}.log", processes) as child:
-        result = child.wait()
-    clock.add_cpu(name, child.cpu_seconds)
-    return result
+        results = []
+        for name, trainer, stage_cfg in stages:
+            with clock(name):
+                results.append(trainer.train(stage_cfg))
+        return results
+    names = [name for name, _, _ in stages]
+    log_path = run.path / f"{names[0]}.log"
+    log.info("%s: %d processes (torchrun, DDP, one thread each); log %s", ", then ".join(names), processes, log_path)
+    configs = [(name, dataclasses.replace(stage_cfg, threads=1, write_report=False)) for name, _, stage_cfg in stages]
+    started, started_cpu = time.time(), time.process_time()
+    with StageBeside(*configs[0], log_path, processes, then=tuple(configs[1:])) as child:
+        results = child.wait_all()
+    wall = time.time() - started
+    own = {name: r.summary["wall_time_s"][name] for name, r in zip(names, results)}
+    own[names[0]] += max(wall - sum(own.values()), 0.0)  # the launch's start-up goes to the first stage
+    waited_cpu = time.process_time() - started_cpu
+    for name in names:  # this process's and the child's CPU seconds split as the wall time
+        share = own[name] / max(sum(own.values()), 1e-9)
+        clock.add(name, own[name], waited_cpu * share)
+        clock.add_cpu(name, child.cpu_seconds * share)
+    return results
 
 
-def rl_stages(cfg: DemoConfig, run: RunDir, sft_dir: str, clock: StageClock) -> dict:
-    """2-5: PPO with the checker; reward model -> diagnosis -> PPO with the learned reward. Side by side
-    (side_by_side), the checker's PPO starts in a second process once the reward model is trained (which
-    needs every core) and the diagnosis and the RM's PPO take one thread here meanwhile."""
+def rl_stages(cfg: DemoConfig, run: RunDir, sft_dir: str, clock: StageClock, rm_result: RunResult | None) -> dict:
+    """2-5: PPO with the checker; the reward model's diagnosis -> PPO with the learned reward. Side by side
+    (side_by_side), the checker's PPO runs in a second process (the reward model, which needed every core, is
+    trained) and the diagnosis and the RM's PPO take one thread here meanwhile."""
     out = {}
     checker_ppo = ppo_stage_config(cfg, sft_dir, str(run.path / "ppo")) if cfg.run_ppo else None
     beside = side_by_side(cfg)
     if checker_ppo is not None and not beside:
         with clock("ppo"):
             out["ppo"] = ppo.train(checker_ppo, monitor=RunMonitor.from_config(checker_ppo))
-    if not cfg.run_rm:
+    if rm_result is None:
         return out
-    out["rm"] = train_stage("rm", reward, rm_stage_config(cfg, sft_dir, str(run.path / "rm")), run, clock,
-                            stage_processes(cfg))
+    out["rm"] = rm_result
     child = StageBeside("ppo", dataclasses.replace(checker_ppo, threads=1), run.path / "ppo.log") if beside else None
     with child or contextlib.nullcontext():  # the child is stopped if anything here fails
         try:
@@ -308,18 +327,23 @@ def run_demo(cfg: DemoConfig) -> RunResult:
         run.write_versions(cfg.seed)
     answers, runs, finals = {}, {}, {}
 
-    # 1. SFT from scratch: builds the tokenizer and tiny model, trains, saves run/sft/model
+    # 1. SFT from scratch: builds the tokenizer and tiny model, trains, saves run/sft/model; then (3) the reward
+    # model on the suite's pairs, from that model: in several processes, both in one launch
     sft_values = {n: getattr(cfg, n) for n in field_names(SFTConfig)}
     sft_cfg = SFTConfig(**{**sft_values, "output_dir": str(run.path / "sft"), "overwrite": True})
-    sft_result = train_stage("sft", sft, sft_cfg, run, clock, stage_processes(cfg))
+    stages = [("sft", sft, sft_cfg)]
+    if cfg.run_rm:
+        stages.append(("rm", reward, rm_stage_config(cfg, str(run.path / "sft" / "model"), str(run.path / "rm"))))
+    trained = train_stages(stages, run, clock, stage_processes(cfg))
+    sft_result, rm_result = trained[0], (trained[1] if cfg.run_rm else None)
     sft_dir, runs["sft"] = str(sft_result.model_dir), str(sft_result.run_dir)
     with clock("test_eval"):
         answers["sft"] = test_answers(run, "sft", sft_dir, cfg)
     with clock("headroom"):
         headroom = probe_sft_model(cfg, run, sft_dir)
 
-    # 2-5. PPO with the checker; reward model -> diagnosis -> PPO with the learned reward
-    rl = rl_stages(cfg, run, sft_dir, clock)
+    # 2, 4-5. PPO with the checker; the reward model's diagnosis -> PPO with the learned reward
+    rl = rl_stages(cfg, run, sft_dir, clock, rm_result)
     rm_summary, rm_scores = rl.get("rm_summary", {}), {}
     for name in ("ppo", "ppo_rm"):
         if name in rl:

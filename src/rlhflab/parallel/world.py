@@ -169,6 +169,12 @@ def init_world(device: str = "auto") -> World:
     return World(rank, size, local_rank, local_size, where, dist.get_backend())
 
 
+def barrier_if_joined() -> None:
+    """Wait for every process of the group this one joined, if any (between stages run in one launch)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
 def shutdown_world() -> None:
     """Leave the process group (the CLI's last act; torch warns about a group left open)."""
     if dist.is_available() and dist.is_initialized():
