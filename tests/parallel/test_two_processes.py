@@ -66,6 +66,8 @@ RUNS = {
     # sample_policy_answers; 21 x 7 answers = 3 batches): the same answers, pairs and calibration rows as one process
     "rm-ddp-sampled": (rm_args, ["--parallel_strategy", "ddp", "--hard_negatives", "7", "--calibration_coef", "1"], 2),
     "dpo-ddp": (dpo_args, ["--parallel_strategy", "ddp"], 2),
+    # DPO's hard negatives sampled as the reward model's are: the same pairs as one process
+    "dpo-ddp-sampled": (dpo_args, ["--parallel_strategy", "ddp", "--hard_negatives", "7"], 2),
     "dpo-ddp-lora": (dpo_args, ["--parallel_strategy", "ddp", "--lora_r", "4"], 2),
     "dpo-fsdp2-lora": (dpo_args, ["--parallel_strategy", "fsdp2", "--lora_r", "4"], 2),
 }

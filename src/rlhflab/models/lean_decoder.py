@@ -90,14 +90,16 @@ def decode_layer(layer: LeanLayer, mlp_width: int) -> DecodeLayer:
 
 
 def folded_norm(norm: Callable, after: SideBySide) -> tuple[Callable, SideBySide]:
-    """An RMSNorm's weight folded into the fused matmul after it (W diag(w) once per decoder; the norm left
-    without a weight), else both as they are."""
+    """An RMSNorm's weight folded into the fused matmul after it, else both as they are. x / rms(x) * w =
+    x / sqrt(sum(x^2) + H eps) * sqrt(H) w: the matmul's weight becomes W diag(sqrt(H) w) (once per decoder) and
+    the norm a sum, not a mean (on the CPU a mean is a sum, a division and a cast: ~23 against ~7 us a call)."""
     parts = getattr(norm, "rms_parts", None)
     if parts is None or after.weight is None:
         return norm, after
     weight, eps = parts
-    return (lambda x: x * x.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_()), \
-        SideBySide(after.parts, after.weight * weight, after.bias)
+    size = weight.shape[0]
+    return (lambda x: x * (x * x).sum(-1, keepdim=True).add_(size * eps).rsqrt_()), \
+        SideBySide(after.parts, after.weight * (weight * size ** 0.5), after.bias)
 
 
 def residual_linear(fn: Callable) -> Callable[[Tensor, Tensor], Tensor]:

@@ -74,7 +74,8 @@ def next_tokens(logits: Tensor, settings: GenerationSettings, generator: torch.G
     rows, so a row's tokens do not depend on which others run."""
     if not settings.do_sample:
         return logits.argmax(dim=-1)
-    logits = filter_logits(logits.float() / settings.temperature, settings.top_k, settings.top_p)
+    logits = logits.float() if settings.temperature == 1.0 else logits.float() / settings.temperature
+    logits = filter_logits(logits, settings.top_k, settings.top_p)
     probs = torch.softmax(logits, dim=-1)
     if generator is not None and generator.device.type != probs.device.type:
         # a CPU generator with a GPU model: sample on the CPU (slower, but reproducible)

@@ -276,7 +276,7 @@ def train(cfg: DPOConfig, run: RunDir | None = None) -> RunResult:
     # 1. policy and pairs, validated and tokenised before the run folder exists (every rank builds the same)
     policy, tokenizer = build_policy(cfg, world.device)
     pad_id = tokenizer.pad_token_id
-    dpo = load_dpo_data(cfg, tokenizer)
+    dpo = load_dpo_data(cfg, tokenizer, world)
     world.check_same(dpo.train, "the tokenised training pairs")
     # 2. reference log-probs, once (then no reference is resident)
     references = reference_logps(cfg, policy, dpo, pad_id, world)

@@ -11,7 +11,7 @@ import logging
 import random
 from dataclasses import dataclass
 
-from rlhflab import data, rewards, sources
+from rlhflab import data, parallel, rewards, sources
 from rlhflab.config import DPOConfig
 from rlhflab.data.prompt_rows import PromptRow
 from rlhflab.errors import UserInputError
@@ -53,14 +53,16 @@ def tokenize_preferences(pairs: list[data.PairExample], tokenizer, max_length: i
             for p, c, r in zip(pairs, seqs[0::2], seqs[1::2])]
 
 
-def suite_pair_examples(cfg: DPOConfig, tokenizer) -> tuple[dict[str, list[data.PairExample]], PromptSplits]:
-    """The suite's train and validation pairs, built as the reward model's are (trainers/reward.py)."""
+def suite_pair_examples(cfg: DPOConfig, tokenizer, world: parallel.World | None = None
+                        ) -> tuple[dict[str, list[data.PairExample]], PromptSplits]:
+    """The suite's train and validation pairs, built as the reward model's are (trainers/reward.py); the hard
+    negatives' answers sampled once over the processes of `world` (each samples its share)."""
     splits = pair_prompt_sets(cfg)
     pairs = suite_pairs(cfg, {"train": splits["train"], "validation": splits["validation"]})
     if cfg.near_misses:  # training pairs only: held-out metrics stay comparable
         pairs["train"] += near_miss_pairs(cfg, splits["train"])
     if cfg.hard_negatives:  # the starting policy's own failing answers against the reference
-        pairs["train"] += hard_negative_pairs(cfg, tokenizer, splits["train"])
+        pairs["train"] += hard_negative_pairs(cfg, tokenizer, splits["train"], world)
     prompts = PromptSplits(sources.suite_prompts(splits["train"], "train"),
                            sources.suite_prompts(splits["validation"], "validation"), sources.prompts.SUITE)
     return pairs, prompts
@@ -103,15 +105,17 @@ def file_pair_examples(cfg: DPOConfig, tokenizer) -> tuple[dict[str, list[data.P
     return {"train": train, "validation": validation}, PromptSplits([], list(first.values()), cfg.train_file)
 
 
-def load_dpo_data(cfg: DPOConfig, tokenizer) -> DPOData:
-    """Pairs and validation prompts named by `cfg`: a user's files when given, else the built-in suite."""
+def load_dpo_data(cfg: DPOConfig, tokenizer, world: parallel.World | None = None) -> DPOData:
+    """Pairs and validation prompts named by `cfg`: a user's files when given, else the built-in suite (the same on
+    every process of `world`)."""
     if cfg.train_file and (cfg.hard_negatives or cfg.near_misses):
         raise UserInputError("hard negatives and near misses are built from the built-in suite's items",
                              "--hard_negatives / --near_misses", "drop them, or add such pairs to your file")
     if cfg.validation_file and not cfg.train_file:
         raise UserInputError("--validation_file without --train_file", "--validation_file",
                              "pass --train_file too (the built-in suite has its own validation split)")
-    pairs, prompts = file_pair_examples(cfg, tokenizer) if cfg.train_file else suite_pair_examples(cfg, tokenizer)
+    pairs, prompts = file_pair_examples(cfg, tokenizer) if cfg.train_file else \
+        suite_pair_examples(cfg, tokenizer, world)
     if not pairs["train"]:
         raise UserInputError("no training pairs", "--train_file / --pair_kinds",
                              "give a file with preference rows, or allow violation kinds the suite's families produce")
