@@ -1,8 +1,8 @@
 """`rlhflab <stage> --config file.yaml --field value`.
 
-Stages: demo, sft, eval, rm, rm diagnose, ppo, grpo, rloo, reinforce, online-dpo, dpo, compare, tasks export, report, sweep,
-chain (several stages in one process or launch). `rlhflab <stage> --help` lists every
-field with its default and help.
+Stages: demo, sft, eval, rm, rm diagnose, ppo, grpo, rloo, reinforce, online-dpo, dpo, compare, tasks export,
+report, sweep, chain (several stages in one process or launch). `rlhflab <stage> --help` lists every field with
+its default and help.
 
 Exit codes: 0 done; 2 a user mistake (the message says what, where, what to do); 3 stopped
 by a non-finite loss / gradient / reward (no checkpoint after it); 130 / 143 SIGINT / SIGTERM:
@@ -376,9 +376,10 @@ def chain_segments(argv: list[str]) -> list[tuple[str, list[str]]]:
             continue
         if not current:
             raise UserInputError(f"an empty stage in the chain ('{CHAIN_WORD}' at the start, the end or twice)",
-                                 "rlhflab chain", f"usage: rlhflab chain STAGE [fields] {CHAIN_WORD} STAGE [fields] ...")
+                                 "rlhflab chain",
+                                 f"usage: rlhflab chain STAGE [fields] {CHAIN_WORD} STAGE [fields] ...")
         stage, rest = split_stage(current)
-        if stage not in STAGES or stage in ("demo", "chain"):
+        if stage not in STAGES or stage == "demo":
             raise UserInputError(f"rlhflab {stage} cannot run in a chain", "rlhflab chain",
                                  "chain the training and evaluation stages: sft, rm, dpo, ppo, grpo, rloo, "
                                  "reinforce, online-dpo, eval, rm diagnose")
@@ -398,10 +399,10 @@ def run_chain(argv: list[str]) -> int:
         return 0
     configs = [(stage, parse_config(STAGES[stage], rest, prog=f"rlhflab {stage}")) for stage, rest in
                chain_segments(argv)]
+    from rlhflab.parallel.world import barrier_if_joined  # torch only now: `rlhflab chain --help` stays fast
+
     for stage, cfg in configs:
         code = COMMANDS[stage](cfg)
-        from rlhflab.parallel.world import barrier_if_joined
-
         barrier_if_joined()  # the next stage may read what this one saved on rank 0
         if code:
             return code

@@ -42,7 +42,7 @@ class StageBeside:
 
     def __init__(self, command: str, cfg, log_path: Path, processes: int = 1, then: tuple = ()):
         self.stages = [(command, cfg), *then]
-        self.command, self.cfg, self.log_path, self.processes = command, cfg, log_path, processes
+        self.log_path, self.processes = log_path, processes
         self.cpu_seconds = 0.0  # the child's own user + system CPU (its torchrun workers' too), known after wait()
         words = []
         for name, stage_cfg in self.stages:
@@ -52,9 +52,9 @@ class StageBeside:
         env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
         launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
                     str(processes)] if processes > 1 else [sys.executable]
-        self.argv = [*(["chain"] if then else []), *words]
+        argv = [*(["chain"] if then else []), *words]
         with log_path.open("w") as log:  # the child holds its own copy of the handle
-            self.process = subprocess.Popen([*launcher, "-m", "rlhflab", *self.argv], stdout=log,
+            self.process = subprocess.Popen([*launcher, "-m", "rlhflab", *argv], stdout=log,
                                             stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
     def __enter__(self) -> StageBeside:

@@ -98,14 +98,12 @@ def answer_rows(query_ids: Tensor, query_mask: Tensor, response_ids: Tensor, res
     prompt_lengths = query_mask[first].sum(dim=1).tolist()
     answer_lengths = response_mask.sum(dim=1).tolist()
     group_of = inverse.tolist()
-    answers_of: list[list[int]] = [[] for _ in prompt_lengths]
-    for b, n in enumerate(group_of):
-        answers_of[n].append(b)
     # the layout depends on which rows the batch holds, not their order (distinct prompts come numbered in
     # torch.unique's sorted order; a group's answers go in the order of their tokens): a shuffled batch gives
     # the same numbers bit for bit, so a training pass over the rollout's rows in any order has ratio exactly 1
     tokens_of = [tuple(row[:n]) for row, n in zip(response_ids.tolist(), answer_lengths)]
-    answers_of = [sorted(rows, key=tokens_of.__getitem__) for rows in answers_of]
+    answers_of = [sorted((b for b, g in enumerate(group_of) if g == n), key=tokens_of.__getitem__)
+                  for n in range(len(prompt_lengths))]
     sizes = [p + sum(answer_lengths[b] for b in answers_of[n]) for n, p in enumerate(prompt_lengths)]
     groups, width = packed_groups(sizes)
     layout = _Layout(len(groups), width)
@@ -128,15 +126,22 @@ def answer_rows(query_ids: Tensor, query_mask: Tensor, response_ids: Tensor, res
     ids[_long(layout.slots, device)] = tokens[_long(layout.sources, device)]
     m = max(max(len(r) for r in layout.read), 1)
     read = _long([c for r in layout.read for c in r + [r[0] if r else 0] * (m - len(r))], device).view(rows, m)
-    index = []  # (B, T) flat read indices; R * m is the zero row past an answer
+    index = _logit_index(group_of, prompt_read, answer_read, answer_lengths, m, rows * m, answer_width)
+    return AnswerRows(ids.view(rows, width), _long(layout.positions, device).view(rows, width),
+                      _allowed(layout, device), read, _long(index, device).view(batch, answer_width))
+
+
+def _logit_index(group_of: list[int], prompt_read: dict, answer_read: dict, answer_lengths: list[int], m: int,
+                 zero: int, answer_width: int) -> list[int]:
+    """(B, T) flat, each response position's read index in (R * m): `zero` (the zero row) past an answer."""
+    index = []
     for b, n in enumerate(group_of):
         r, c = prompt_read[n]
         index.append(r * m + c)  # the prompt's last token predicts every answer's first
         r, c = answer_read[b]
         predicted = max(answer_lengths[b] - 1, 0)  # answer tokens 1 .. n-1 are predicted from tokens 0 .. n-2
-        index += list(range(r * m + c, r * m + c + predicted)) + [rows * m] * (answer_width - 1 - predicted)
-    return AnswerRows(ids.view(rows, width), _long(layout.positions, device).view(rows, width),
-                      _allowed(layout, device), read, _long(index, device).view(batch, answer_width))
+        index += list(range(r * m + c, r * m + c + predicted)) + [zero] * (answer_width - 1 - predicted)
+    return index
 
 
 def _allowed(layout: _Layout, device: torch.device) -> Tensor:
