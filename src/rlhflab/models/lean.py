@@ -214,6 +214,20 @@ def causal_allowed(attention_mask: Tensor) -> Tensor:
     return (eye.cumsum(0).bool() & attention_mask.bool()[:, None, :]) | eye
 
 
+# Below this many mask entries, attention reads one additive float mask made once per forward instead of the bool
+# one, which scaled_dot_product_attention would turn into floats again in every layer (forward and backward):
+# the same numbers, ~15 % less attention time at the GRPO benchmark's sizes (4 x 150 x 150, 1 thread); above it
+# the float mask's memory (4 bytes an entry, alive for the backward) is not worth it.
+FLOAT_MASK_BELOW = 1 << 22
+
+
+def attention_bias(allowed: Tensor, dtype: torch.dtype) -> Tensor:
+    """A bool mask (True = may read), or, when small, the same as an additive mask: 0 where allowed, -inf not."""
+    if allowed.numel() >= FLOAT_MASK_BELOW:
+        return allowed
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+
+
 def lean_hidden(plan: LeanPlan, input_ids: Tensor, attention_mask: Tensor | None, position_ids: Tensor,
                 allowed: Tensor | None = None, read: Tensor | None = None,
                 kv_keep: list[tuple[Tensor, Tensor]] | None = None) -> Tensor:
@@ -233,6 +247,7 @@ def lean_hidden(plan: LeanPlan, input_ids: Tensor, attention_mask: Tensor | None
     batch, length = input_ids.shape
     heads, kv_heads, dim = plan.num_heads, plan.num_kv_heads, plan.head_dim
     allowed = (causal_allowed(attention_mask) if allowed is None else allowed).unsqueeze(1)  # (B, 1, L, L)
+    allowed = attention_bias(allowed, plan.embed.dtype)
     cos, sin = rotary_tables(plan, position_ids)
     h = F.embedding(input_ids, plan.embed, padding_idx=plan.padding_idx)
     last = len(plan.layers) - 1
