@@ -30,11 +30,22 @@ def _uses_bos(tokenizer) -> bool:
     return tokenizer.bos_token_id is not None and bool(getattr(tokenizer, "add_bos_token", False))
 
 
+def encode_distinct(tokenizer, texts: list[str]) -> list[list[int]]:
+    """Token ids of each text (no special tokens), each distinct text encoded once: preference pairs repeat
+    their prompt in both sequences and over several pairs, and many of their answers (a reward model's 13k
+    training pairs hold ~4x fewer distinct texts than texts)."""
+    distinct = list(dict.fromkeys(texts))
+    if len(distinct) == len(texts):
+        return tokenizer(texts, add_special_tokens=False)["input_ids"]
+    ids = dict(zip(distinct, tokenizer(distinct, add_special_tokens=False)["input_ids"]))
+    return [ids[t] for t in texts]
+
+
 def encode_prompts(tokenizer, texts: list[str]) -> list[list[int]]:
     """Token ids of each prompt, with BOS when the tokenizer always uses one."""
     if not texts:
         return []
-    encoded = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    encoded = encode_distinct(tokenizer, texts)
     if not _uses_bos(tokenizer):
         return [list(ids) for ids in encoded]
     bos = tokenizer.bos_token_id
@@ -49,7 +60,7 @@ def encode_completions(tokenizer, texts: list[str]) -> list[list[int]]:
                              fix="set tokenizer.eos_token (and save the tokenizer) before training")
     if not texts:
         return []
-    encoded = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    encoded = encode_distinct(tokenizer, texts)
     return [[*ids, eos] for ids in encoded]
 
 
