@@ -35,6 +35,24 @@ def test_tokenize_sft_appends_eos_even_when_pad_is_eos(tok_pad_eos):
     ]
 
 
+def test_repeated_texts_are_encoded_once_into_lists_of_their_own(tok, make_tok, monkeypatch):
+    """encode_distinct: a text met again (a pair's prompt in both sequences) is looked up, not re-encoded;
+    every example still gets its own lists (truncating or extending one leaves the others alone)."""
+    seen = []
+    encode = type(tok).__call__
+    monkeypatch.setattr(type(tok), "__call__",
+                        lambda self, texts, **kw: seen.append(list(texts)) or encode(self, texts, **kw))
+    examples = [SFTExample("say hi", "hi"), SFTExample("say hi", "bye"), SFTExample("say hi", "hi")]
+    out = tokenize_sft(examples, tok, max_length=16)
+    assert out == [TokenizedSFT([SAY, HI], [HI, EOS]), TokenizedSFT([SAY, HI], [BYE, EOS]),
+                   TokenizedSFT([SAY, HI], [HI, EOS])]
+    assert seen == [["say hi"], ["hi", "bye"]]  # the prompts, then the distinct completions
+    out[0].prompt_ids.append(GOOD)
+    out[0].completion_ids.append(BAD)
+    assert out[2] == TokenizedSFT([SAY, HI], [HI, EOS])
+    assert encode_prompts(make_tok(add_bos=True), ["say hi", "say hi"]) == [[BOS, SAY, HI], [BOS, SAY, HI]]
+
+
 def test_collate_masks_prompt_and_padding_and_keeps_eos_when_pad_is_eos(tok_pad_eos):
     batch = collate_sft(tokenize_sft(EXAMPLES, tok_pad_eos, max_length=16), pad_id=EOS)
     assert batch.input_ids.dtype == batch.attention_mask.dtype == batch.labels.dtype == torch.long

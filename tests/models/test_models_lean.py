@@ -63,6 +63,33 @@ def test_lean_hidden_matches_the_model_on_real_positions(arch):
     assert torch.isfinite(lean).all()
 
 
+def test_lean_hidden_float_mask_equals_the_bool_mask_bit_for_bit(monkeypatch):
+    """A small mask goes to attention as an additive float mask made once (models.lean.attention_bias); a large
+    one stays bool (scaled_dot_product_attention converts it per layer): the same numbers either way."""
+    import rlhflab.models.lean as lean
+    from rlhflab.data import left_pad, position_ids_from_mask
+
+    model = build("llama")
+    ids, mask = left_pad([[5, 6, 7, 8, 9], [11, 12]], PAD)
+    positions = position_ids_from_mask(mask.long())
+    with torch.no_grad():
+        small = lean.lean_hidden(plan_lean(model), ids, mask, positions)
+        assert lean.attention_bias(torch.ones(1, 2, 2, dtype=torch.bool), torch.float32).dtype == torch.float32
+        monkeypatch.setattr(lean, "FLOAT_MASK_BELOW", 0)  # every mask counts as large: bool
+        assert lean.attention_bias(torch.ones(1, 2, 2, dtype=torch.bool), torch.float32).dtype == torch.bool
+        large = lean.lean_hidden(plan_lean(model), ids, mask, positions)
+    assert torch.equal(small[mask.bool()], large[mask.bool()])
+
+
+def test_attention_bias_is_zero_where_allowed_and_minus_infinity_elsewhere():
+    from rlhflab.models.lean import attention_bias
+
+    allowed = torch.tensor([[True, False], [True, True]])
+    bias = attention_bias(allowed, torch.bfloat16)
+    assert bias.dtype == torch.bfloat16
+    assert bias.tolist() == [[0.0, float("-inf")], [0.0, 0.0]]
+
+
 def test_lean_sampling_equals_the_hf_loop_with_the_same_generator():
     model = build("llama")
     settings = GenerationSettings(max_new_tokens=8, do_sample=True, temperature=0.7)

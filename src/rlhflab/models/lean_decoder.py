@@ -174,7 +174,8 @@ class LeanDecoder:
         self.head_bias = self.key_bias.view(batch, 1, total).expand(batch, kv, total).reshape(batch * kv, 1, total)
         self.key_rows, self.value_rows = ([b.view(batch * kv, total, dim) for b in buffers]
                                           for buffers in (self.keys, self.values))
-        self.key_slots, self.value_slots = ([b.permute(2, 0, 1, 3) for b in buffers] for buffers in (self.keys, self.values))
+        self.key_slots, self.value_slots = ([b.permute(2, 0, 1, 3) for b in buffers]
+                                            for buffers in (self.keys, self.values))
 
     @torch.no_grad()
     def step(self, token: Tensor) -> Tensor:
