@@ -437,7 +437,8 @@ def train(cfg: RMConfig, run: RunDir | None = None) -> RunResult:
     run, resumed = open_run(cfg, "rm", wrapped.layout) if run is None else (run, None)
     steps_per_epoch = math.ceil(len(pairs["train"]) / cfg.batch_size)
     total = steps_per_epoch * cfg.num_epochs
-    optimizer = wrapped.prepare(make_optimizer(wrapped.model.parameters(), cfg, fused=not wrapped.layout.sharded), cfg.max_grad_norm)
+    optimizer = make_optimizer(wrapped.model.parameters(), cfg, fused=not wrapped.layout.sharded)
+    optimizer = wrapped.prepare(optimizer, cfg.max_grad_norm)
     scheduler = make_scheduler(optimizer, cfg, total)
     rng = random.Random(cfg.seed)
     log.info("reward model: %d train pairs, %d steps", len(pairs["train"]), total)

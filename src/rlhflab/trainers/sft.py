@@ -252,7 +252,8 @@ def train(cfg: SFTConfig, run: RunDir | None = None) -> RunResult:
     packing = use_packing(cfg, wrapped.model, wrapped.same_passes)
     run, resumed = open_run(cfg, "sft", wrapped.layout) if run is None else (run, None)
     order_rng = random.Random(cfg.seed)
-    optimizer = wrapped.prepare(make_optimizer(wrapped.model.parameters(), cfg, fused=not wrapped.layout.sharded), cfg.max_grad_norm)
+    optimizer = make_optimizer(wrapped.model.parameters(), cfg, fused=not wrapped.layout.sharded)
+    optimizer = wrapped.prepare(optimizer, cfg.max_grad_norm)
     scheduler = make_scheduler(optimizer, cfg, cfg.max_steps)
     log.info("SFT: %d train / %d validation sequences, %d steps x %d (%s)", len(sft_data.train),
              len(sft_data.validation), cfg.max_steps, cfg.batch_size, wrapped.layout.describe())
