@@ -10,7 +10,7 @@ import torch
 from transformers import BertConfig, BertForSequenceClassification
 
 from rlhflab.errors import UserInputError
-from rlhflab.models import build_random_reward_model, build_reward_model, build_tiny_model
+from rlhflab.models import build_random_reward_model, build_reward_model, build_tiny_model, grow_trunk
 from rlhflab.models import build_tokenizer, last_real_index, load_reward_model, save_model_folder, sequence_scores
 from rlhflab.tasks import template_corpus
 
@@ -149,3 +149,35 @@ def test_load_reward_model_refuses_causal_lm_and_missing_path(tmp_path, suite_to
     assert "build_reward_model" in str(info.value)
     with pytest.raises(UserInputError, match="no reward model folder"):
         load_reward_model(tmp_path / "missing")
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_grow_trunk_starts_as_the_same_scorer_and_saves_as_an_ordinary_folder(tmp_path, suite_tokenizer, arch):
+    base = build_random_reward_model(suite_tokenizer, arch=arch, **TINY, seed=5).eval()
+    grown = grow_trunk(copy.deepcopy(base), 2).eval()
+    ids, mask = pad(encode(suite_tokenizer, TEXTS), suite_tokenizer.pad_token_id, "left")
+    with torch.no_grad():
+        before = sequence_scores(base, ids, mask)
+        after, lean = sequence_scores(grown, ids, mask), sequence_scores(grown, ids, mask, lean=True)
+    assert len(grown.base_model.layers) == grown.config.num_hidden_layers == TINY["num_layers"] + 2
+    assert torch.allclose(after, before, atol=1e-6) and torch.allclose(lean, before, atol=1e-5)
+    new = grown.base_model.layers[-1]
+    assert not new.self_attn.o_proj.weight.any() and not new.mlp.down_proj.weight.any()  # identity at the start
+    assert torch.equal(new.self_attn.q_proj.weight, base.base_model.layers[-1].self_attn.q_proj.weight)
+    assert new.self_attn.o_proj.weight.data_ptr() != base.base_model.layers[-1].self_attn.o_proj.weight.data_ptr()
+    with torch.no_grad():  # a trained grown model (nonzero new outputs) reloads as itself from its HF folder
+        new.mlp.down_proj.weight.normal_(0, 0.5)
+        changed = sequence_scores(grown, ids, mask)
+    assert not torch.allclose(changed, before, atol=1e-4)
+    save_model_folder(tmp_path / "rm", grown, suite_tokenizer)
+    loaded = load_reward_model(tmp_path / "rm").eval()
+    assert loaded.config.num_hidden_layers == TINY["num_layers"] + 2
+    with torch.no_grad():
+        assert torch.allclose(sequence_scores(loaded, ids, mask), changed, atol=1e-6)
+
+
+def test_grow_trunk_refuses_a_trunk_without_decoder_layers(suite_tokenizer):
+    gpt2 = build_random_reward_model(suite_tokenizer, arch="gpt2", **TINY)
+    assert grow_trunk(gpt2, 0) is gpt2  # nothing asked, nothing checked
+    with pytest.raises(UserInputError, match="extra_layers"):
+        grow_trunk(gpt2, 1)

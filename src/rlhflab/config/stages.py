@@ -102,6 +102,12 @@ class RMConfig(ParallelFields, CheckpointFields, RunFields, ModelFields, SuiteFi
         0.0, "built-in suite, with hard_negatives: coef * binary cross-entropy of the policy's sampled answers' scores "
              "(passing and failing, as sampled) against the checker's verdict, so scores follow how often answers "
              "like them pass; 0 = off")
+    extra_layers: int = arg(
+        0, "decoder layers appended to the backbone's trunk, each starting as the identity (a copy of the last layer "
+           "with its residual outputs zeroed): a reward model deeper than the policy it judges (Llama / Qwen2 "
+           "layouts); 0 = the backbone as it is")
+    frozen_layers: int = arg(0, "the backbone's token embeddings and first N decoder layers stay as they are (no "
+                                "gradient: the backward pass stops above them); 0 = every weight trains")
     learning_rate: float = arg(3e-4, "peak AdamW learning rate")
     warmup_steps: int = arg(5, "linear warmup steps")
     lr_schedule: Literal["cosine", "linear", "constant"] = arg("linear", "decay after warmup")
@@ -164,6 +170,10 @@ class DemoConfig(SFTConfig):
     rm_calibration_coef: float = arg(3.0, "reward model: weight of the calibration term on the SFT policy's own sampled "
                                           "answers (RMConfig.calibration_coef); 0 = off")
     rm_near_misses: int = arg(0, "reward model: near-miss rejected answers per train prompt (one copied letter changed)")
+    rm_extra_layers: int = arg(0, "reward model: decoder layers added on top of the SFT trunk, each starting as the "
+                                  "identity (RMConfig.extra_layers): depth for checks the policy cannot make")
+    rm_frozen_layers: int = arg(0, "reward model: the SFT trunk's embeddings and first N layers kept frozen "
+                                   "(RMConfig.frozen_layers)")
     rm_diagnosis_samples: int = arg(8, "reward-model diagnosis: answers sampled per test prompt (8 x the default 300 "
                                        "test prompts = 2400 answers)")
     headroom_samples: int = arg(8, "headroom probe of the SFT model before RL: answers sampled per validation prompt "

@@ -120,7 +120,8 @@ def rm_stage_config(demo: DemoConfig, model_dir: str, out: str) -> RMConfig:
               "pair_prompts": demo.rm_pair_prompts, "learning_rate": demo.rm_learning_rate,
               "center_rewards_coef": demo.rm_center_rewards_coef, "pair_kinds_always": demo.rm_pair_kinds_always,
               "near_misses": demo.rm_near_misses, "batch_size": demo.rm_batch_size,
-              "calibration_coef": demo.rm_calibration_coef}
+              "calibration_coef": demo.rm_calibration_coef, "extra_layers": demo.rm_extra_layers,
+              "frozen_layers": demo.rm_frozen_layers}
     if demo.rm_config:
         values |= read_yaml_config(demo.rm_config, RMConfig)
     return RMConfig(**{**values, "model": model_dir, "tokenizer": "", "output_dir": out, "overwrite": True})
@@ -179,7 +180,8 @@ def probe_sft_model(cfg: DemoConfig, run: RunDir, sft_dir: str) -> dict | None:
 # (README "Reward model, step by step"). Recorded only when the run used that recipe.
 RM_RECIPE_CHOSEN_ON = "validation"
 RM_RECIPE_FIELDS = ("rm_epochs", "rm_batch_size", "rm_hard_negatives", "rm_pair_prompts", "rm_learning_rate",
-                    "rm_center_rewards_coef", "rm_pair_kinds_always", "rm_calibration_coef", "rm_near_misses")
+                    "rm_center_rewards_coef", "rm_pair_kinds_always", "rm_calibration_coef", "rm_near_misses",
+                    "rm_extra_layers", "rm_frozen_layers")
 
 
 def recipe_chosen_on(cfg: DemoConfig) -> str | None:

@@ -125,6 +125,59 @@ def build_reward_model(
 build_reward_model_from_causal = build_reward_model  # its name from before encoders were accepted
 
 
+def grow_trunk(model: PreTrainedModel, extra_layers: int) -> PreTrainedModel:
+    """Append `extra_layers` decoder layers to a decoder classifier's trunk, each starting as the identity.
+
+    A new layer is a copy of the last one with its two residual outputs (attention `o_proj`, MLP
+    `down_proj`) zeroed, so the grown model scores every sequence exactly as before, and training
+    starts from the trunk's own attention and MLP weights. The reward model then has more depth than
+    the policy it judges, for checks the policy's trunk cannot make (a copied word against the prompt).
+    Saved and loaded as an ordinary HF folder: `num_hidden_layers` (and `layer_types`) grow with it."""
+    if extra_layers <= 0:
+        return model
+    trunk = model.base_model
+    layers = getattr(trunk, "layers", None)
+    last = layers[-1] if isinstance(layers, nn.ModuleList) and len(layers) else None
+    if last is None or not all(hasattr(getattr(last, part, None), proj)
+                               for part, proj in (("self_attn", "o_proj"), ("mlp", "down_proj"))):
+        raise UserInputError(f"{type(model).__name__} has no Llama-style decoder layers to grow",
+                             "--extra_layers", "use a Llama / Qwen2-style trunk, or --extra_layers 0")
+    for _ in range(extra_layers):
+        layer = copy.deepcopy(last)
+        with torch.no_grad():
+            for out in (layer.self_attn.o_proj, layer.mlp.down_proj):
+                out.weight.zero_()
+                if out.bias is not None:
+                    out.bias.zero_()
+        if hasattr(layer.self_attn, "layer_idx"):
+            layer.self_attn.layer_idx = len(layers)
+        layers.append(layer)
+    for cfg in {id(c): c for c in (model.config, model.config.get_text_config(), trunk.config)}.values():
+        cfg.num_hidden_layers = len(layers)
+        if getattr(cfg, "layer_types", None):
+            cfg.layer_types = list(cfg.layer_types) + [cfg.layer_types[-1]] * extra_layers
+    return model
+
+
+def freeze_lower_layers(model: PreTrainedModel, layers: int) -> PreTrainedModel:
+    """Keep the token embeddings and the first `layers` decoder layers of the trunk as they are (no
+    gradient, no optimiser state): with a grown trunk (`grow_trunk`) the backbone's own layers can stay
+    the policy's features while the new layers and the score head learn, and the backward pass stops
+    above the frozen layers."""
+    if layers <= 0:
+        return model
+    trunk = model.base_model
+    blocks = getattr(trunk, "layers", None)
+    embed = getattr(trunk, "embed_tokens", None)
+    if not isinstance(blocks, nn.ModuleList) or embed is None or layers > len(blocks):
+        count = len(blocks) if isinstance(blocks, nn.ModuleList) else 0
+        raise UserInputError(f"cannot freeze {layers} decoder layers of {type(model).__name__} ({count} found)",
+                             "--frozen_layers", f"use at most {count} on a Llama / Qwen2-style trunk, or 0")
+    for module in (embed, *blocks[:layers]):
+        module.requires_grad_(False)
+    return model
+
+
 def _output_layer(model: PreTrainedModel) -> nn.Linear:
     """The layer that writes the one score: `score` (decoder classifiers), else the last one-output
     Linear outside the trunk (BERT's `classifier`, RoBERTa's `classifier.out_proj`)."""

@@ -424,6 +424,7 @@ def train(cfg: RMConfig, run: RunDir | None = None) -> RunResult:
     # 1. backbone -> scalar reward model (score head: small normal, zero bias)
     tokenizer = models.load_tokenizer(cfg.tokenizer or cfg.model, trust_remote_code=cfg.trust_remote_code)
     model = models.build_reward_model(cfg.model, tokenizer, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code)
+    model = models.freeze_lower_layers(models.grow_trunk(model, cfg.extra_layers), cfg.frozen_layers)
     model = float32_for_training(model, f"reward model from {cfg.model}")  # whole weights train
     model.config.pad_token_id = tokenizer.pad_token_id
     model.to(world.device)
