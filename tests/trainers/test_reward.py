@@ -145,3 +145,25 @@ def test_length_chunks_zero_runs_one_pass_per_16_pairs_of_the_step(monkeypatch):
 def test_the_summary_says_whether_pairs_were_packed(backbone_dir, tmp_path):
     result = reward.train(tiny_rm_cfg(backbone_dir, tmp_path, num_epochs=1, num_train_prompts=22))
     assert result.summary["shared_prefix"] is True  # a Llama backbone packs by default
+
+
+def test_a_grown_trunk_trains_its_new_layers_and_leaves_the_frozen_ones(backbone_dir, tmp_path):
+    cfg = tiny_rm_cfg(backbone_dir, tmp_path, num_epochs=4, num_train_prompts=44, extra_layers=1, frozen_layers=1)
+    result = reward.train(cfg)
+    start = models.load_causal_lm(backbone_dir).model
+    rm = models.load_reward_model(result.model_dir).model
+    depth = len(start.layers)
+    assert len(rm.layers) == depth + 1
+    assert torch.equal(rm.embed_tokens.weight, start.embed_tokens.weight)  # frozen: bit for bit the backbone's
+    assert all(torch.equal(a, b) for a, b in zip(rm.layers[0].parameters(), start.layers[0].parameters()))
+    for trained, before in zip(rm.layers[1:depth], start.layers[1:depth]):  # the rest of the backbone trains
+        assert all(not torch.equal(a, b) for a, b in zip(trained.parameters(), before.parameters()))
+    new = rm.layers[depth]  # started as a copy of the last layer with zero residual outputs; all of it moved
+    assert new.self_attn.o_proj.weight.abs().sum() > 0 and new.mlp.down_proj.weight.abs().sum() > 0
+    assert not torch.equal(new.self_attn.q_proj.weight, start.layers[-1].self_attn.q_proj.weight)
+    assert result.summary["pairs"]["train"]["accuracy"] > 0.7  # chance is 0.5
+
+
+def test_freezing_more_layers_than_the_trunk_has_is_refused(backbone_dir, tmp_path):
+    with pytest.raises(UserInputError, match="frozen_layers"):
+        reward.train(tiny_rm_cfg(backbone_dir, tmp_path, frozen_layers=9))
