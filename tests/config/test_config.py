@@ -95,7 +95,7 @@ def test_yaml_scientific_notation_without_dot_is_a_float(tmp_path):
 
 @pytest.mark.parametrize(("name", "stage"), [
     ("sft_tiny", "sft"), ("sft", "sft"), ("eval", "eval"), ("demo", "demo"),
-    ("ppo_tiny", "ppo"), ("ppo_lora", "ppo"), ("rm_tiny", "rm"),
+    ("ppo_tiny", "ppo"), ("ppo_lora", "ppo"), ("rm_tiny", "rm"), ("rm_deep", "rm"),
 ])
 def test_shipped_config_files_parse(name, stage):
     from pathlib import Path
@@ -109,7 +109,7 @@ def test_every_shipped_config_file_is_tested():
     from pathlib import Path
 
     shipped = {p.stem for p in (Path(__file__).resolve().parents[2] / "configs").glob("*.yaml")}
-    assert shipped == {"sft_tiny", "sft", "eval", "demo", "ppo_tiny", "ppo_lora", "rm_tiny"}
+    assert shipped == {"sft_tiny", "sft", "eval", "demo", "ppo_tiny", "ppo_lora", "rm_tiny", "rm_deep"}
 
 
 def test_a_no_flag_says_it_turns_the_option_off_and_keeps_the_default():
@@ -117,3 +117,12 @@ def test_a_no_flag_says_it_turns_the_option_off_and_keeps_the_default():
     assert "--no_shared_prefix, --no-shared-prefix turn shared_prefix off" in help_text
     assert parse_config(RMConfig, [], "rlhflab rm").shared_prefix is True
     assert parse_config(RMConfig, ["--no_shared_prefix"], "rlhflab rm").shared_prefix is False
+
+
+def test_the_deep_reward_model_file_sets_the_recipe_the_readme_measured():
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "configs" / "rm_deep.yaml"
+    cfg = parse_config(RMConfig, ["--config", str(path), "--model", "m"], prog="rlhflab rm")
+    assert (cfg.extra_layers, cfg.pair_prompts, cfg.num_epochs, cfg.batch_size) == (2, 9600, 1, 64)
+    assert (cfg.learning_rate, cfg.hard_negatives, cfg.calibration_coef, cfg.frozen_layers) == (6e-4, 2, 3.0, 0)
