@@ -122,7 +122,8 @@ def test_near_misses_join_the_training_pairs_only_and_are_refused_for_a_users_pa
         reward.load_pairs(tiny_rm_cfg(backbone_dir, tmp_path, near_misses=1, train_file="x.jsonl"), None)
 
 
-@pytest.mark.parametrize(("field", "value"), [("batch_size", 0), ("num_epochs", 0), ("length_chunks", -1)])
+@pytest.mark.parametrize(("field", "value"), [("batch_size", 0), ("num_epochs", 0), ("length_chunks", -1),
+                                              ("extra_layers", -1), ("frozen_layers", -2)])
 def test_a_bad_size_is_refused_before_the_run_folder_exists(backbone_dir, tmp_path, field, value):
     with pytest.raises(UserInputError, match=f"{field} must be >= "):
         reward.train(tiny_rm_cfg(backbone_dir, tmp_path, **{field: value}))

@@ -407,7 +407,8 @@ def train(cfg: RMConfig, run: RunDir | None = None) -> RunResult:
     if not cfg.model:
         raise UserInputError("no backbone given", "--model",
                              "pass the SFT model folder (or any HF causal LM, or an encoder such as BERT)")
-    for field, least in (("num_epochs", 1), ("batch_size", 1), ("length_chunks", 0)):
+    for field, least in (("num_epochs", 1), ("batch_size", 1), ("length_chunks", 0), ("extra_layers", 0),
+                         ("frozen_layers", 0)):
         if getattr(cfg, field) < least:
             raise UserInputError(f"{field} must be >= {least}, not {getattr(cfg, field)}", f"rm config, --{field}")
     if not 0.0 <= cfg.average_weights <= 1.0:
