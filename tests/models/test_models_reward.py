@@ -165,6 +165,7 @@ def test_grow_trunk_starts_as_the_same_scorer_and_saves_as_an_ordinary_folder(tm
     assert not new.self_attn.o_proj.weight.any() and not new.mlp.down_proj.weight.any()  # identity at the start
     assert torch.equal(new.self_attn.q_proj.weight, base.base_model.layers[-1].self_attn.q_proj.weight)
     assert new.self_attn.o_proj.weight.data_ptr() != base.base_model.layers[-1].self_attn.o_proj.weight.data_ptr()
+    assert new.self_attn.config is grown.base_model.layers[0].self_attn.config  # one HF config, as HF's own layers
     with torch.no_grad():  # a trained grown model (nonzero new outputs) reloads as itself from its HF folder
         new.mlp.down_proj.weight.normal_(0, 0.5)
         changed = sequence_scores(grown, ids, mask)

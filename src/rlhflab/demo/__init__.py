@@ -311,8 +311,9 @@ def check_later_stages(cfg: DemoConfig) -> None:
                                  "samples none (hard_negatives 0)", "--rm_calibration_coef / --rm_hard_negatives",
                                  "keep --rm_hard_negatives >= 1, or set --rm_calibration_coef 0 (or those fields in "
                                  "--rm_config)")
-        depth = "" if cfg.model else cfg.num_layers  # the tiny model's; a given model's is known once loaded
-        if rm.extra_layers < 0 or rm.frozen_layers < 0 or (depth and rm.frozen_layers > depth + rm.extra_layers):
+        depth = None if cfg.model else cfg.num_layers  # the tiny model's; a given model's is checked once loaded
+        too_many = depth is not None and rm.frozen_layers > depth + rm.extra_layers
+        if rm.extra_layers < 0 or rm.frozen_layers < 0 or too_many:
             raise UserInputError(f"the reward model cannot grow {rm.extra_layers} layers and freeze "
                                  f"{rm.frozen_layers} of a {depth or 'given'}-layer SFT trunk",
                                  "--rm_extra_layers / --rm_frozen_layers (or --rm_config)",

@@ -125,6 +125,17 @@ def build_reward_model(
 build_reward_model_from_causal = build_reward_model  # its name from before encoders were accepted
 
 
+def _decoder_layers(model: PreTrainedModel) -> nn.ModuleList | None:
+    """The trunk's Llama-style decoder layers (`model.layers`, each with `self_attn.o_proj` and
+    `mlp.down_proj`: Llama, Qwen2 and their kin), or None."""
+    layers = getattr(model.base_model, "layers", None)
+    if not isinstance(layers, nn.ModuleList) or not len(layers):
+        return None
+    parts = (("self_attn", "o_proj"), ("mlp", "down_proj"))
+    llama_style = all(hasattr(getattr(layer, part, None), proj) for layer in layers for part, proj in parts)
+    return layers if llama_style else None
+
+
 def grow_trunk(model: PreTrainedModel, extra_layers: int) -> PreTrainedModel:
     """Append `extra_layers` decoder layers to a decoder classifier's trunk, each starting as the identity.
 
@@ -132,30 +143,33 @@ def grow_trunk(model: PreTrainedModel, extra_layers: int) -> PreTrainedModel:
     `down_proj`) zeroed, so the grown model scores every sequence exactly as before, and training
     starts from the trunk's own attention and MLP weights. The reward model then has more depth than
     the policy it judges, for checks the policy's trunk cannot make (a copied word against the prompt).
-    Saved and loaded as an ordinary HF folder: `num_hidden_layers` (and `layer_types`) grow with it."""
+    Saved and loaded as an ordinary HF folder: `num_hidden_layers` (and `layer_types`) grow with it.
+    Llama-style trunks (tested: Llama, Qwen2)."""
     if extra_layers <= 0:
         return model
-    trunk = model.base_model
-    layers = getattr(trunk, "layers", None)
-    last = layers[-1] if isinstance(layers, nn.ModuleList) and len(layers) else None
-    if last is None or not all(hasattr(getattr(last, part, None), proj)
-                               for part, proj in (("self_attn", "o_proj"), ("mlp", "down_proj"))):
-        raise UserInputError(f"{type(model).__name__} has no Llama-style decoder layers to grow",
-                             "--extra_layers", "use a Llama / Qwen2-style trunk, or --extra_layers 0")
+    layers = _decoder_layers(model)
+    if layers is None:
+        raise UserInputError(f"{type(model).__name__} has no Llama-style decoder layers (model.layers) to grow",
+                             "--extra_layers", "use a Llama / Qwen2-style backbone, or --extra_layers 0")
+    last = layers[-1]
     for _ in range(extra_layers):
-        layer = copy.deepcopy(last)
+        # the copy shares the model's HF config object (as every layer does), so later changes to it, e.g. the
+        # attention implementation, reach the new layers too; the weights are copies
+        shared = {id(m.config): m.config for m in last.modules() if hasattr(m, "config")}
+        layer = copy.deepcopy(last, memo=dict(shared))
         with torch.no_grad():
             for out in (layer.self_attn.o_proj, layer.mlp.down_proj):
                 out.weight.zero_()
                 if out.bias is not None:
                     out.bias.zero_()
-        if hasattr(layer.self_attn, "layer_idx"):
+        if hasattr(layer.self_attn, "layer_idx"):  # the KV-cache slot this layer writes during generation
             layer.self_attn.layer_idx = len(layers)
         layers.append(layer)
-    for cfg in {id(c): c for c in (model.config, model.config.get_text_config(), trunk.config)}.values():
-        cfg.num_hidden_layers = len(layers)
-        if getattr(cfg, "layer_types", None):
-            cfg.layer_types = list(cfg.layer_types) + [cfg.layer_types[-1]] * extra_layers
+    # the classifier's, its text part's and the trunk's config may be one object or several: each once
+    for config in {id(c): c for c in (model.config, model.config.get_text_config(), model.base_model.config)}.values():
+        config.num_hidden_layers = len(layers)
+        if getattr(config, "layer_types", None):  # the trunk iterates layers[:num_hidden_layers] with these
+            config.layer_types = list(config.layer_types) + [config.layer_types[-1]] * extra_layers
     return model
 
 
@@ -166,13 +180,14 @@ def freeze_lower_layers(model: PreTrainedModel, layers: int) -> PreTrainedModel:
     above the frozen layers."""
     if layers <= 0:
         return model
-    trunk = model.base_model
-    blocks = getattr(trunk, "layers", None)
-    embed = getattr(trunk, "embed_tokens", None)
-    if not isinstance(blocks, nn.ModuleList) or embed is None or layers > len(blocks):
-        count = len(blocks) if isinstance(blocks, nn.ModuleList) else 0
-        raise UserInputError(f"cannot freeze {layers} decoder layers of {type(model).__name__} ({count} found)",
-                             "--frozen_layers", f"use at most {count} on a Llama / Qwen2-style trunk, or 0")
+    blocks = _decoder_layers(model)
+    embed = getattr(model.base_model, "embed_tokens", None)
+    if blocks is None or embed is None:
+        raise UserInputError(f"--frozen_layers needs a Llama-style trunk (model.layers); {type(model).__name__} "
+                             "has none", "--frozen_layers", "use a Llama / Qwen2-style backbone, or --frozen_layers 0")
+    if layers > len(blocks):
+        raise UserInputError(f"cannot freeze {layers} decoder layers: the trunk has {len(blocks)}", "--frozen_layers",
+                             f"use at most {len(blocks)} (the backbone's layers plus --extra_layers), or 0")
     for module in (embed, *blocks[:layers]):
         module.requires_grad_(False)
     return model

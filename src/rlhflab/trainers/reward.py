@@ -410,7 +410,8 @@ def train(cfg: RMConfig, run: RunDir | None = None) -> RunResult:
     for field, least in (("num_epochs", 1), ("batch_size", 1), ("length_chunks", 0), ("extra_layers", 0),
                          ("frozen_layers", 0)):
         if getattr(cfg, field) < least:
-            raise UserInputError(f"{field} must be >= {least}, not {getattr(cfg, field)}", f"rm config, --{field}")
+            raise UserInputError(f"{field} must be >= {least}, not {getattr(cfg, field)}", f"rm config, --{field}",
+                                 f"use {least} or more")
     if not 0.0 <= cfg.average_weights <= 1.0:
         raise UserInputError(f"average_weights must be a fraction of the steps in [0, 1], not {cfg.average_weights}",
                              "--average_weights", "use e.g. 0.4 (the last 40 % of the steps) or 0 (off)")
