@@ -25,9 +25,11 @@ def tiny_rm_cfg(backbone_dir, tmp_path, **overrides) -> RMConfig:
     return RMConfig(**{**base, **overrides})
 
 
-def test_a_tiny_reward_model_learns_a_separable_preference(backbone_dir, tmp_path):
+@pytest.mark.parametrize("together", [0, 2])  # rows shuffled one by one; a prompt's two rows side by side
+def test_a_tiny_reward_model_learns_a_separable_preference(backbone_dir, tmp_path, together):
     # wrong_case rejects differ from the chosen answer only in letter case: separable token by token
-    result = reward.train(tiny_rm_cfg(backbone_dir, tmp_path))
+    result = reward.train(tiny_rm_cfg(backbone_dir, tmp_path, prompt_rows_together=together,
+                                      pairs_per_prompt=2 if together else 1))
     pairs = result.summary["pairs"]
     assert pairs["train"]["accuracy"] > 0.9 and pairs["test"]["accuracy"] > 0.7, pairs  # chance is 0.5
     assert pairs["test"]["margin"] > 0
@@ -71,6 +73,44 @@ def test_length_sorted_chunks_and_packed_pairs_give_the_same_scores_and_gradient
     for c, r, g in results[1:]:
         assert torch.allclose(c1, c, atol=1e-5) and torch.allclose(r1, r, atol=1e-5)  # each score stays with its pair
         assert torch.allclose(g1, g, atol=1e-5)
+
+
+def test_rows_of_one_prompt_scored_as_one_group_keep_each_rows_scores_and_gradient(backbone_dir):
+    tokenizer = models.load_tokenizer(backbone_dir)
+    rm = models.build_reward_model_from_causal(backbone_dir, tokenizer)
+    models.disable_dropout(rm)
+    rm.train()
+    prompt, other = [4, 5, 6], [7, 8]
+    reference = prompt + [20, 21, 2]
+    batch = [reward.TokenizedPair(reference, prompt + [22, 2], "f", "a", prompt_tokens=3),
+             reward.TokenizedPair(other + [23, 2], other + [24, 25, 2], "f", "a", prompt_tokens=2),
+             reward.TokenizedPair(reference, prompt + [26, 27, 28, 2], "f", "b", prompt_tokens=3),  # the same chosen
+             reward.TokenizedPair(prompt + [22, 2], prompt + [22, 2], "f", reward.SAMPLED, labels=(False, False),
+                                  prompt_tokens=3),  # two identical sampled answers, one already scored above
+             reward.TokenizedPair([9, 10, 11], [9, 12], None, None)]  # prompt not known: a group of its own
+    results = []
+    for grouped in (False, True):
+        rm.zero_grad()
+        chosen, rejected = reward.pair_scores(rm, batch, tokenizer.pad_token_id, shared_prefix=grouped)
+        (chosen * torch.tensor([1.0, -1.0, 2.0, 0.5, 1.5]) - 2 * rejected).sum().backward()
+        results.append((chosen.detach(), rejected.detach(), [p.grad.clone() for p in rm.parameters()]))
+    (c1, r1, g1), (c2, r2, g2) = results
+    assert torch.allclose(c1, c2, atol=1e-5) and torch.allclose(r1, r2, atol=1e-5)
+    assert c2[0] == c2[2] and r2[3] == c2[3]  # one score per distinct sequence
+    assert r1.std() > 0 and not torch.allclose(c1, r1)
+    for a, b in zip(g1, g2):
+        assert torch.allclose(a, b, atol=1e-5 * max(1.0, b.abs().max().item()))
+
+
+def test_prompt_major_order_keeps_a_prompts_rows_together_in_order_of_first_sight():
+    row = lambda prompt, n=1: reward.TokenizedPair(prompt + [n], prompt + [n + 1], None, None,  # noqa: E731
+                                                   prompt_tokens=len(prompt))
+    pairs = [row([1, 2]), row([3]), row([1, 2], 5), row([4, 4]), row([3], 7),
+             reward.TokenizedPair([9], [8], None, None), reward.TokenizedPair([9], [8], None, None)]
+    assert reward.prompt_major(pairs, [4, 0, 5, 3, 2, 1, 6]) == [4, 1, 0, 2, 5, 3, 6]  # unknown prompts stay alone
+    assert reward.prompt_major(pairs, [4, 0, 5, 3, 2, 1, 6], together=1) == [4, 0, 5, 3, 2, 1, 6]
+    pairs.append(row([1, 2], 9))  # a third row of prompt [1, 2]: pieces of two, the third one at its own place
+    assert reward.prompt_major(pairs, [4, 0, 5, 3, 7, 2, 1, 6], together=2) == [4, 1, 0, 7, 5, 3, 2, 6]
 
 
 def test_always_kinds_shape_the_training_pairs_only(backbone_dir, tmp_path):
@@ -123,7 +163,8 @@ def test_near_misses_join_the_training_pairs_only_and_are_refused_for_a_users_pa
 
 
 @pytest.mark.parametrize(("field", "value"), [("batch_size", 0), ("num_epochs", 0), ("length_chunks", -1),
-                                              ("extra_layers", -1), ("frozen_layers", -2)])
+                                              ("extra_layers", -1), ("frozen_layers", -2),
+                                              ("prompt_rows_together", -1)])
 def test_a_bad_size_is_refused_before_the_run_folder_exists(backbone_dir, tmp_path, field, value):
     with pytest.raises(UserInputError, match=f"{field} must be >= "):
         reward.train(tiny_rm_cfg(backbone_dir, tmp_path, **{field: value}))

@@ -27,6 +27,7 @@ from transformers import AutoModelForSequenceClassification, PreTrainedModel, Pr
 from rlhflab.errors import UserInputError
 from rlhflab.models.lean import lean_hidden, plan_lean
 from rlhflab.models.packing import PackedPairs
+from rlhflab.models.prompt_groups import PackedGroups
 from rlhflab.models.load import DTYPES, _check_exists, _not_found, is_encoder, read_model_config, load_tokenizer
 from rlhflab.models.tiny_model import build_tiny_model
 from rlhflab.models.value import _is_reward_model, init_scalar_head
@@ -320,3 +321,16 @@ def packed_pair_scores(reward_model: nn.Module, packed: PackedPairs) -> tuple[Te
                          allowed=packed.allowed.to(device), read=read)  # (B, 2, H)
     scores = model.score(hidden)[..., 0]
     return scores[:, 0], scores[:, 1]
+
+
+def grouped_scores(reward_model: nn.Module, packed: PackedGroups) -> Tensor:
+    """(N,) scores of the sequences of packed groups (`models.pack_groups`), read at each one's last token, every
+    shared prefix run once. Differentiable. Only for models where `can_pack_pairs` holds."""
+    model = _unwrap(reward_model)
+    plan = plan_lean(model, allow_training=True)
+    if plan is None or not isinstance(getattr(model, "score", None), nn.Module):
+        raise ValueError("grouped_scores needs a Llama-layout decoder classifier (see can_pack_pairs)")
+    device = plan.embed.device
+    hidden = lean_hidden(plan, packed.input_ids.to(device), None, packed.position_ids.to(device),
+                         allowed=packed.allowed.to(device), read=packed.read.to(device))  # (R, m, H)
+    return model.score(hidden)[..., 0].reshape(-1).index_select(0, packed.score_index.to(device))

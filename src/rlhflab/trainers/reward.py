@@ -60,6 +60,7 @@ class TokenizedPair:
     family: str | None
     violation: str | None
     labels: tuple[bool, bool] | None = None  # a SAMPLED row: whether each answer passes; None = a preference pair
+    prompt_tokens: int = 0  # the prompt's share of both sequences (rows of one prompt score it once); 0: not known
 
 
 def tokenize_pairs(pairs: list[data.PairExample], tokenizer, max_length: int,
@@ -71,8 +72,8 @@ def tokenize_pairs(pairs: list[data.PairExample], tokenizer, max_length: int,
         return [TokenizedPair(c, r, p.family, p.violation) for p, c, r in zip(pairs, chosen, rejected)]
     as_sft = [data.SFTExample(p.prompt, text, p.family, p.violation) for p in pairs for text in (p.chosen, p.rejected)]
     seqs = data.tokenize_sft(as_sft, tokenizer, max_length)
-    return [TokenizedPair(c.prompt_ids + c.completion_ids, r.prompt_ids + r.completion_ids, p.family, p.violation)
-            for p, c, r in zip(pairs, seqs[0::2], seqs[1::2])]
+    return [TokenizedPair(c.prompt_ids + c.completion_ids, r.prompt_ids + r.completion_ids, p.family, p.violation,
+                          prompt_tokens=len(c.prompt_ids)) for p, c, r in zip(pairs, seqs[0::2], seqs[1::2])]
 
 
 def pair_prompt_sets(cfg: RMConfig) -> dict[str, list[tasks.TaskItem]]:
@@ -257,29 +258,55 @@ def in_batch_order(parts: list[torch.Tensor], groups: list[list[int]]) -> torch.
     return torch.cat(parts)[inverse]
 
 
-def packed_scores(model, batch: list[TokenizedPair], pad_id: int, chunks: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`pair_scores` with each pair packed into one row (`models.pack_shared_prefix`)."""
-    groups = length_groups([models.packed_length(p.chosen, p.rejected) for p in batch], chunks)
-    chosen, rejected = [], []
-    for group in groups:
-        packed = models.pack_shared_prefix([(batch[i].chosen, batch[i].rejected) for i in group], pad_id)
-        c, r = models.packed_pair_scores(model, packed)
-        chosen.append(c)
-        rejected.append(r)
-    return in_batch_order(chosen, groups).float(), in_batch_order(rejected, groups).float()
+def prompt_key(pair: TokenizedPair, row: int) -> tuple | int:
+    """What rows that share a prompt have in common: the prompt's tokens (a row of unknown prompt: its own number)."""
+    return tuple(pair.chosen[: pair.prompt_tokens]) if pair.prompt_tokens else row
+
+
+def prompt_major(pairs: list[TokenizedPair], order: list[int], together: int = 0) -> list[int]:
+    """`order` with each prompt's rows moved up to follow its first one (prompts keep the order of their first
+    rows), so that a batch cut from it holds whole prompts. With `together` > 0, a prompt's rows go in pieces of
+    at most that many, each piece moved up to its own first row (its own place in the order)."""
+    pieces, seen = defaultdict(list), defaultdict(int)
+    for i in order:
+        key = prompt_key(pairs[i], i)
+        pieces[key, seen[key] // together if together else 0].append(i)
+        seen[key] += 1
+    return [i for members in pieces.values() for i in members]
+
+
+def grouped_pair_scores(model, batch: list[TokenizedPair], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`pair_scores` with the distinct sequences of each prompt in the batch scored in one group, the prompt
+    run once (`models.pack_groups`): a row's two sequences at least, all of a prompt's rows where they share a
+    batch (`prompt_major`)."""
+    groups: dict = {}  # prompt key -> {sequence: its number in the group}
+    for i, pair in enumerate(batch):
+        members = groups.setdefault(prompt_key(pair, i), {})
+        for sequence in (pair.chosen, pair.rejected):
+            members.setdefault(tuple(sequence), len(members))
+    first, start = {}, 0  # prompt key -> the number of its group's first sequence among all
+    for key, members in groups.items():
+        first[key], start = start, start + len(members)
+    packed = models.pack_groups([[list(s) for s in members] for members in groups.values()], pad_id)
+    scores = models.grouped_scores(model, packed).float()
+    number = lambda i, sequence: first[prompt_key(batch[i], i)] + groups[prompt_key(batch[i], i)][tuple(sequence)]  # noqa: E731
+    chosen = torch.tensor([number(i, p.chosen) for i, p in enumerate(batch)], device=scores.device)
+    rejected = torch.tensor([number(i, p.rejected) for i, p in enumerate(batch)], device=scores.device)
+    return scores[chosen], scores[rejected]
 
 
 def pair_scores(model, batch: list[TokenizedPair], pad_id: int, chunks: int = 1,
                 shared_prefix: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Scores of chosen and rejected, both (B,).
 
-    With `chunks` > 1 the sequences (or packed rows) are sorted by length and scored in that many
-    forward passes, each padded only to its own longest row: the same scores with less padding
-    (one backward pass still goes through all of them). With `shared_prefix` (a model where
-    `models.can_pack_pairs` holds) each pair is one row that runs the shared prompt once.
+    With `chunks` > 1 the sequences are sorted by length and scored in that many forward passes, each
+    padded only to its own longest row: the same scores with less padding (one backward pass still goes
+    through all of them). With `shared_prefix` (a model where `models.can_pack_pairs` holds) each prompt's
+    distinct sequences in the batch are packed together and the prompt runs once (`grouped_pair_scores`;
+    `chunks` does not apply: packed rows carry no padding to speak of).
     """
     if shared_prefix:
-        return packed_scores(model, batch, pad_id, chunks)
+        return grouped_pair_scores(model, batch, pad_id)
     seqs = [p.chosen for p in batch] + [p.rejected for p in batch]
     groups = length_groups([len(s) for s in seqs], chunks)
     parts = [padded_scores(model, [seqs[i] for i in group], pad_id) for group in groups]
@@ -292,13 +319,16 @@ def evaluate_pairs(model, pairs: list[TokenizedPair], pad_id: int, batch_size: i
                    shared_prefix: bool = False) -> dict:
     """Pairwise accuracy and margin, overall, per family and per violation kind; score statistics."""
     model.eval()
+    order = prompt_major(pairs, list(range(len(pairs)))) if shared_prefix else list(range(len(pairs)))
     chosen, rejected = [], []
     for start in range(0, len(pairs), batch_size):
-        c, r = pair_scores(model, pairs[start : start + batch_size], pad_id, chunks=2, shared_prefix=shared_prefix)
+        batch = [pairs[i] for i in order[start : start + batch_size]]
+        c, r = pair_scores(model, batch, pad_id, chunks=2, shared_prefix=shared_prefix)
         chosen.append(c.cpu())
         rejected.append(r.cpu())
     model.train()
-    c, r = torch.cat(chosen), torch.cat(rejected)
+    back = torch.argsort(torch.tensor(order))  # scores in the pairs' own order
+    c, r = torch.cat(chosen)[back], torch.cat(rejected)[back]
     correct = (c > r).float()
     groups = {"per_family": [p.family for p in pairs], "per_violation": [p.violation for p in pairs]}
     out = {"accuracy": correct.mean().item(), "margin": (c - r).mean().item(), "pairs": len(pairs),
@@ -408,7 +438,7 @@ def train(cfg: RMConfig, run: RunDir | None = None) -> RunResult:
         raise UserInputError("no backbone given", "--model",
                              "pass the SFT model folder (or any HF causal LM, or an encoder such as BERT)")
     for field, least in (("num_epochs", 1), ("batch_size", 1), ("length_chunks", 0), ("extra_layers", 0),
-                         ("frozen_layers", 0)):
+                         ("frozen_layers", 0), ("prompt_rows_together", 0)):
         if getattr(cfg, field) < least:
             raise UserInputError(f"{field} must be >= {least}, not {getattr(cfg, field)}", f"rm config, --{field}",
                                  f"use {least} or more")
@@ -463,6 +493,8 @@ def train(cfg: RMConfig, run: RunDir | None = None) -> RunResult:
         for _ in range(cfg.num_epochs):
             order = list(range(len(pairs["train"])))
             rng.shuffle(order)
+            if cfg.prompt_rows_together:  # a prompt's rows side by side: it runs once for them (grouped_pair_scores)
+                order = prompt_major(pairs["train"], order, cfg.prompt_rows_together)
             for start in range(0, len(order), cfg.batch_size):
                 step += 1
                 if step <= done:
