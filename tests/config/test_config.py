@@ -126,3 +126,19 @@ def test_the_deep_reward_model_file_sets_the_recipe_the_readme_measured():
     cfg = parse_config(RMConfig, ["--config", str(path), "--model", "m"], prog="rlhflab rm")
     assert (cfg.extra_layers, cfg.pair_prompts, cfg.num_epochs, cfg.batch_size) == (2, 9600, 1, 64)
     assert (cfg.learning_rate, cfg.hard_negatives, cfg.calibration_coef, cfg.frozen_layers) == (6e-4, 2, 3.0, 0)
+
+
+def test_the_split_that_chose_the_reward_model_recipe_is_recorded_only_for_an_unchanged_chosen_recipe(tmp_path):
+    from pathlib import Path
+
+    from rlhflab.config import DemoConfig
+    from rlhflab.demo import recipe_chosen_on
+
+    deep = str(Path(__file__).resolve().parents[2] / "configs" / "rm_deep.yaml")
+    assert recipe_chosen_on(DemoConfig()) == "validation"  # the demo's own recipe
+    assert recipe_chosen_on(DemoConfig(rm_config=deep)) == "validation"  # the file says so
+    assert recipe_chosen_on(DemoConfig(rm_epochs=5)) is None
+    assert recipe_chosen_on(DemoConfig(rm_config=deep, rm_near_misses=2)) is None  # a flag the file does not set
+    unstated = tmp_path / "mine.yaml"
+    unstated.write_text("extra_layers: 1\n")
+    assert recipe_chosen_on(DemoConfig(rm_config=str(unstated))) is None

@@ -116,6 +116,9 @@ class RMConfig(ParallelFields, CheckpointFields, RunFields, ModelFields, SuiteFi
     learning_rate: float = arg(3e-4, "peak AdamW learning rate")
     warmup_steps: int = arg(5, "linear warmup steps")
     lr_schedule: Literal["cosine", "linear", "constant"] = arg("linear", "decay after warmup")
+    recipe_chosen_on: str = arg("", "the split whose numbers chose this recipe (e.g. validation), as a recipe file "
+                                    "states it; the demo records it in summary.json when its run used that recipe "
+                                    "unchanged; training ignores it")
 
 
 @dataclass(frozen=True)

@@ -185,10 +185,15 @@ RM_RECIPE_FIELDS = ("rm_epochs", "rm_batch_size", "rm_hard_negatives", "rm_pair_
 
 
 def recipe_chosen_on(cfg: DemoConfig) -> str | None:
-    """The split that chose this run's reward-model recipe: validation for the demo's defaults, unknown otherwise."""
+    """The split that chose this run's reward-model recipe, when the run used a chosen recipe unchanged: the demo's
+    defaults (validation), or an --rm_config file's `recipe_chosen_on` with no rm_* flag moved from its default
+    (a flag the file does not set would change the recipe); unknown otherwise."""
     defaults = DemoConfig()
-    same = not cfg.rm_config and all(getattr(cfg, f) == getattr(defaults, f) for f in RM_RECIPE_FIELDS)
-    return RM_RECIPE_CHOSEN_ON if same else None
+    if any(getattr(cfg, f) != getattr(defaults, f) for f in RM_RECIPE_FIELDS):
+        return None
+    if not cfg.rm_config:
+        return RM_RECIPE_CHOSEN_ON
+    return read_yaml_config(cfg.rm_config, RMConfig).get("recipe_chosen_on") or None
 
 
 def cores() -> int:
