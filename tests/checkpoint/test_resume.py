@@ -67,6 +67,19 @@ def test_resume_with_a_changed_config_is_refused_unless_allowed(policy_dir, tmp_
     assert new_lr[10] > 0.05
 
 
+def test_a_setting_added_after_the_run_started_is_no_change_at_its_default(tmp_path):
+    from rlhflab.checkpoint.resume import config_changes
+    from rlhflab.config import RMConfig, write_config
+
+    saved = tmp_path / "config.yaml"
+    write_config(RMConfig(model="m"), saved)
+    older = {k: v for k, v in yaml.safe_load(saved.read_text()).items() if k != "prompt_rows_together"}
+    saved.write_text(yaml.safe_dump(older))  # a run started before the setting existed
+    assert config_changes(RMConfig(model="m"), saved) == {}
+    assert config_changes(RMConfig(model="m", prompt_rows_together=3), saved) == {
+        "prompt_rows_together": {"was": None, "now": 3}}
+
+
 def test_a_resume_that_fails_to_unpack_leaves_the_run_folder_untouched(tmp_path, capsys):
     out = tmp_path / "run"
     train(sft_args(out))

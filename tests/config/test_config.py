@@ -1,4 +1,5 @@
 import dataclasses
+from pathlib import Path
 
 import pytest
 import yaml
@@ -120,8 +121,6 @@ def test_a_no_flag_says_it_turns_the_option_off_and_keeps_the_default():
 
 
 def test_the_deep_reward_model_file_sets_the_recipe_the_readme_measured():
-    from pathlib import Path
-
     path = Path(__file__).resolve().parents[2] / "configs" / "rm_deep.yaml"
     cfg = parse_config(RMConfig, ["--config", str(path), "--model", "m"], prog="rlhflab rm")
     assert (cfg.extra_layers, cfg.pair_prompts, cfg.num_epochs, cfg.batch_size) == (2, 9600, 1, 64)
@@ -129,8 +128,6 @@ def test_the_deep_reward_model_file_sets_the_recipe_the_readme_measured():
 
 
 def test_the_split_that_chose_the_reward_model_recipe_is_recorded_only_for_an_unchanged_chosen_recipe(tmp_path):
-    from pathlib import Path
-
     from rlhflab.config import DemoConfig
     from rlhflab.demo import recipe_chosen_on
 

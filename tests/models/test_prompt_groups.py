@@ -31,7 +31,7 @@ def test_layout_of_one_group():
     packed = pack_groups([[[1, 2, 3, 4], [1, 2, 5], [1, 2, 6, 7]]], pad_id=PAD)
     assert packed.input_ids.tolist() == [[1, 2, 3, 4, 5, 6, 7]]
     assert packed.position_ids.tolist() == [[0, 1, 2, 3, 2, 2, 3]]  # each rest sits where it would alone
-    allowed = packed.allowed[0].int().tolist()
+    allowed = packed.allowed()[0].int().tolist()
     assert allowed[4] == [1, 1, 0, 0, 1, 0, 0]  # the second rest reads the prefix and itself, never the first
     assert allowed[6] == [1, 1, 0, 0, 0, 1, 1]
     assert allowed[3] == [1, 1, 1, 1, 0, 0, 0]
@@ -45,14 +45,19 @@ def test_prefix_leaves_every_sequence_a_token_of_its_own():
     assert group_prefix_length([[1, 2, 3], [4, 5]]) == 0
 
 
-def test_groups_share_rows_and_padding_reads_itself():
-    packed = pack_groups([[[1, 2, 3], [1, 2, 4]], [[5, 6], [5, 7]], [[8] * 6]], pad_id=PAD)
+def test_groups_share_rows_and_no_token_reads_another_group_or_sequence():
+    groups = [[[1, 2, 3], [1, 2, 4]], [[5, 6], [5, 7]], [[8] * 6]]
+    packed = pack_groups(groups, pad_id=PAD)
     rows, width = packed.input_ids.shape
     assert rows * width < 3 + 2 + 6 + 3 + 6  # fewer slots than one padded row per group
     group_tokens = sorted(t for t in packed.input_ids.reshape(-1).tolist() if t != PAD)
     assert group_tokens == sorted([1, 2, 3, 4, 5, 6, 7] + [8] * 6)
-    for r in range(rows):  # no token reads another group's tokens: each allowed key is causal and its own group
-        assert packed.allowed[r].int().sum(-1).min() >= 1
+    allowed, group, part = packed.allowed(), packed.group.tolist(), packed.part.tolist()
+    for r in range(rows):  # against the rule spelt out slot by slot
+        for i in range(width):
+            for j in range(width):
+                own = group[r][i] >= 0 and group[r][j] == group[r][i] and part[r][j] in (0, part[r][i])
+                assert bool(allowed[r, i, j]) == ((j <= i and own) or i == j), (r, i, j)
 
 
 def test_empty_input_is_refused():

@@ -75,7 +75,7 @@ def test_length_sorted_chunks_and_packed_pairs_give_the_same_scores_and_gradient
         assert torch.allclose(g1, g, atol=1e-5)
 
 
-def test_rows_of_one_prompt_scored_as_one_group_keep_each_rows_scores_and_gradient(backbone_dir):
+def test_rows_of_one_prompt_scored_as_one_group_keep_each_rows_scores_and_gradient(backbone_dir, monkeypatch):
     tokenizer = models.load_tokenizer(backbone_dir)
     rm = models.build_reward_model_from_causal(backbone_dir, tokenizer)
     models.disable_dropout(rm)
@@ -88,6 +88,10 @@ def test_rows_of_one_prompt_scored_as_one_group_keep_each_rows_scores_and_gradie
              reward.TokenizedPair(prompt + [22, 2], prompt + [22, 2], "f", reward.SAMPLED, labels=(False, False),
                                   prompt_tokens=3),  # two identical sampled answers, one already scored above
              reward.TokenizedPair([9, 10, 11], [9, 12], None, None)]  # prompt not known: a group of its own
+    packed_sequences = []  # how many distinct sequences the grouped scorer was given
+    pack = models.pack_groups
+    monkeypatch.setattr(models, "pack_groups", lambda groups, pad: packed_sequences.append(
+        sum(map(len, groups))) or pack(groups, pad))
     results = []
     for grouped in (False, True):
         rm.zero_grad()
@@ -96,7 +100,7 @@ def test_rows_of_one_prompt_scored_as_one_group_keep_each_rows_scores_and_gradie
         results.append((chosen.detach(), rejected.detach(), [p.grad.clone() for p in rm.parameters()]))
     (c1, r1, g1), (c2, r2, g2) = results
     assert torch.allclose(c1, c2, atol=1e-5) and torch.allclose(r1, r2, atol=1e-5)
-    assert c2[0] == c2[2] and r2[3] == c2[3]  # one score per distinct sequence
+    assert packed_sequences == [7]  # 10 sequences, 7 distinct: the shared reference and the repeated answer once
     assert r1.std() > 0 and not torch.allclose(c1, r1)
     for a, b in zip(g1, g2):
         assert torch.allclose(a, b, atol=1e-5 * max(1.0, b.abs().max().item()))
@@ -180,7 +184,7 @@ def test_length_chunks_zero_runs_one_pass_per_16_pairs_of_the_step(monkeypatch):
     pair = reward.TokenizedPair([1, 2], [1, 3], "f", "v")
     for size, chunks in ((64, 0), (32, 0), (8, 0), (64, 3)):
         cfg = RMConfig(model="unused", length_chunks=chunks, batch_size=size)
-        reward.train_step(wrapped, None, None, [pair] * size, parallel.share_of(size, wrapped.world), 0, cfg, True)
+        reward.train_step(wrapped, None, None, [pair] * size, parallel.share_of(size, wrapped.world), 0, cfg, False)
     assert seen == [4, 2, 1, 3]
 
 

@@ -16,7 +16,7 @@ import json
 import logging
 import os
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Callable
 
@@ -36,7 +36,8 @@ from rlhflab.tracking import RunDir, default_run_path
 log = logging.getLogger("rlhflab")
 
 # Keys that change nothing a run computes: they may differ between the run and its resume.
-IGNORED_KEYS = ("resume", "allow_config_change", "progress", "overwrite", "save_every", "keep_last_n")
+IGNORED_KEYS = ("resume", "allow_config_change", "progress", "overwrite", "save_every", "keep_last_n",
+                "recipe_chosen_on")
 HISTORIES = ("metrics.jsonl", "samples.jsonl")
 
 
@@ -91,7 +92,11 @@ def config_changes(cfg, saved: Path) -> dict[str, dict]:
         raise UserInputError(f"config.yaml holds a {type(was).__name__}, not a mapping of settings", str(saved),
                              "restore the run's config.yaml, or start the run again with --overwrite")
     now = config_to_dict(cfg)
-    keys = (set(was) | set(now)) - set(IGNORED_KEYS) - {"output_dir"}
+    # a setting the run's config.yaml lacks came after the run was started: at its default it changes nothing
+    defaults = config_to_dict(type(cfg)(**{f.name: getattr(cfg, f.name) for f in fields(cfg)
+                                           if f.default is MISSING and f.default_factory is MISSING}))
+    new_at_default = {k for k in set(now) - set(was) if now[k] == defaults.get(k)}
+    keys = (set(was) | set(now)) - set(IGNORED_KEYS) - {"output_dir"} - new_at_default
     return {k: {"was": was.get(k), "now": now.get(k)} for k in sorted(keys) if was.get(k) != now.get(k)}
 
 

@@ -86,16 +86,17 @@ class RMConfig(ParallelFields, CheckpointFields, RunFields, ModelFields, SuiteFi
            "rejected answer against the reference, so the RM learns the policy's own mistakes; 0 = off")
     num_epochs: int = arg(1, "passes over the training pairs (reward models overfit fast)")
     batch_size: int = arg(32, "pairs per optimiser step")
-    length_chunks: int = arg(0, "forward passes per step over this process's pairs sorted by length (less padding, "
-                                "same gradient); 0 = one per 16 pairs (2 for 32 pairs: 86-92 ms a step against 97-100 "
-                                "for 4 on the demo model); 1 = one pass")
+    length_chunks: int = arg(0, "where sequences are scored one by one (no shared_prefix): forward passes per step "
+                                "over this process's pairs sorted by length (less padding, same gradient); 0 = one per "
+                                "16 pairs; 1 = one pass")
     shared_prefix: bool = arg(True, "score each prompt's distinct sequences in a batch together, the prompt run once "
                                     "(Llama / Qwen2 layouts; the same scores, fewer tokens)")
     prompt_rows_together: int = arg(0, "keep up to this many of a prompt's training rows side by side in the shuffled "
-                                       "order, so that with shared_prefix the prompt runs once for them; 0 = rows "
-                                       "shuffled one by one. Faster, but fewer distinct prompts per batch: on the demo "
-                                       "2 rows gave 0.806 validation correlation in 78 percent of the time, all of a "
-                                       "prompt's rows 0.767 in 54 percent, against 0.827 (README)")
+                                       "order, so that the grouped scorer (shared_prefix) runs the prompt once for "
+                                       "them; 0 = rows shuffled one by one. Faster, but fewer distinct prompts per "
+                                       "batch: with configs/rm_deep.yaml 2 rows read 0.806 validation correlation in "
+                                       "78 percent of the time, all of a prompt's rows 0.767 in 54 percent, against "
+                                       "0.827 (README)")
     margin: float = arg(0.0, "Bradley-Terry margin: -log sigmoid(r_c - r_r - margin)")
     average_weights: float = arg(0.0, "save the mean of the weights over this last fraction of the steps "
                                       "(stochastic weight averaging); 0 = the last step's weights")
@@ -116,9 +117,9 @@ class RMConfig(ParallelFields, CheckpointFields, RunFields, ModelFields, SuiteFi
     learning_rate: float = arg(3e-4, "peak AdamW learning rate")
     warmup_steps: int = arg(5, "linear warmup steps")
     lr_schedule: Literal["cosine", "linear", "constant"] = arg("linear", "decay after warmup")
-    recipe_chosen_on: str = arg("", "the split whose numbers chose this recipe (e.g. validation), as a recipe file "
-                                    "states it; the demo records it in summary.json when its run used that recipe "
-                                    "unchanged; training ignores it")
+    recipe_chosen_on: Literal["", "train", "validation", "test"] = arg(
+        "", "the split whose numbers chose this recipe, as a recipe file states it; the demo records it in "
+            "summary.json when its run used that recipe unchanged; training does not read it")
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ rows even two by two (models/packing.py: one row per pair) still runs each promp
     shared prefix | rest of sequence 1 | rest of sequence 2 | ... | rest of sequence k
 
 in which each rest reads the prefix and its own earlier tokens, never another rest, at the
-positions it would have alone. Groups are packed back to back into few rows (`packed_groups`, as
+positions it would have alone. Groups are packed back to back into few rows (`fill_into_rows`, as
 the prompt pass packs prompts), and the last layer runs at the sequences' last tokens only, where
 the score is read. Same math as scoring each sequence on its own, up to float summation order
 (tests/models/test_prompt_groups.py); the gradient through a shared prefix is the sum over its
@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from rlhflab.models.packing import common_prefix_length
-from rlhflab.models.prompt_pass import packed_groups
+from rlhflab.models.prompt_pass import packed_groups as fill_into_rows
 
 
 @dataclass(frozen=True)
@@ -33,9 +33,20 @@ class PackedGroups:
 
     input_ids: Tensor  # (R, W) long: each group's prefix, then its sequences' rests; pad_id after the last group
     position_ids: Tensor  # (R, W) long: each sequence's own positions (0 on padding)
-    allowed: Tensor  # (R, W, W) bool: query i may read key j
+    group: Tensor  # (R, W) long: each slot's group; -1 on padding
+    part: Tensor  # (R, W) long: 0 on a group's prefix, j + 1 on its sequence j's rest
     read: Tensor  # (R, m) long: the columns of each row's sequences' last tokens (a row's first repeats to fill)
     score_index: Tensor  # (N,) long: sequence n's place in the flat (R * m) reads; n counts the groups' sequences in order
+
+    def allowed(self, device: torch.device | str = "cpu") -> Tensor:
+        """(R, W, W) bool on `device`: a token reads the earlier tokens of its group's prefix and of its own rest;
+        padding reads itself."""
+        group, part = self.group.to(device), self.part.to(device)
+        width = group.shape[1]
+        causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
+        same_group = (group[:, :, None] == group[:, None, :]) & (group[:, None, :] >= 0)
+        own_part = (part[:, None, :] == 0) | (part[:, None, :] == part[:, :, None])
+        return (causal & same_group & own_part) | torch.eye(width, dtype=torch.bool, device=device)
 
 
 def group_prefix_length(sequences: list[list[int]]) -> int:
@@ -52,7 +63,7 @@ def pack_groups(groups: list[list[list[int]]], pad_id: int) -> PackedGroups:
         raise ValueError("pack_groups needs at least one group, each of non-empty sequences")
     prefixes = [group_prefix_length(g) for g in groups]
     sizes = [k + sum(len(s) - k for s in g) for k, g in zip(prefixes, groups)]
-    rows, width = packed_groups(sizes)
+    rows, width = fill_into_rows(sizes)
     ids, positions = [pad_id] * (len(rows) * width), [0] * (len(rows) * width)
     group_of, part_of = [-1] * (len(rows) * width), [0] * (len(rows) * width)  # -1: padding; 0: the prefix
     ends: list[list[int]] = [[] for _ in rows]  # each row's last-token columns, in the sequences' order
@@ -73,9 +84,9 @@ def pack_groups(groups: list[list[list[int]]], pad_id: int) -> PackedGroups:
     score_index = [read_at[g, j][0] * m + read_at[g, j][1] for g, group in enumerate(groups) for j in range(len(group))]
     read = [cols + [cols[0]] * (m - len(cols)) for cols in ends]
     shape = (len(rows), width)
-    group_t, part_t = torch.tensor(group_of).view(shape), torch.tensor(part_of).view(shape)
     return PackedGroups(torch.tensor(ids).view(shape), torch.tensor(positions).view(shape),
-                        _allowed(group_t, part_t), torch.tensor(read), torch.tensor(score_index))
+                        torch.tensor(group_of).view(shape), torch.tensor(part_of).view(shape), torch.tensor(read),
+                        torch.tensor(score_index))
 
 
 def _place(ids: list[int], positions: list[int], group_of: list[int], part_of: list[int], slot: int,
@@ -87,11 +98,3 @@ def _place(ids: list[int], positions: list[int], group_of: list[int], part_of: l
     group_of[slot:end] = [group] * len(tokens)
     part_of[slot:end] = [part] * len(tokens)
 
-
-def _allowed(group: Tensor, part: Tensor) -> Tensor:
-    """(R, W, W): a token reads the earlier tokens of its group's prefix and of its own rest; padding itself."""
-    width = group.shape[1]
-    causal = torch.ones(width, width, dtype=torch.bool).tril()
-    same_group = (group[:, :, None] == group[:, None, :]) & (group[:, None, :] >= 0)
-    own_part = (part[:, None, :] == 0) | (part[:, None, :] == part[:, :, None])
-    return (causal & same_group & own_part) | torch.eye(width, dtype=torch.bool)

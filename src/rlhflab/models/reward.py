@@ -301,8 +301,8 @@ def sequence_scores(reward_model: nn.Module, input_ids: Tensor, attention_mask: 
 
 
 def can_pack_pairs(reward_model: nn.Module) -> bool:
-    """Whether `packed_pair_scores` can score this model: a decoder classifier (`score` on a base
-    model) whose trunk the lean forward runs (Llama layout; in training mode, no dropout)."""
+    """Whether `grouped_scores` (and `packed_pair_scores`) can score this model: a decoder classifier (`score` on a
+    base model) whose trunk the lean forward runs (Llama layout; in training mode, no dropout)."""
     model = _unwrap(reward_model)  # an encoder reads both ways: packing two rests in one row would mix them
     return _reads_last_token(model) and plan_lean(model, allow_training=True) is not None
 
@@ -332,5 +332,5 @@ def grouped_scores(reward_model: nn.Module, packed: PackedGroups) -> Tensor:
         raise ValueError("grouped_scores needs a Llama-layout decoder classifier (see can_pack_pairs)")
     device = plan.embed.device
     hidden = lean_hidden(plan, packed.input_ids.to(device), None, packed.position_ids.to(device),
-                         allowed=packed.allowed.to(device), read=packed.read.to(device))  # (R, m, H)
+                         allowed=packed.allowed(device), read=packed.read.to(device))  # (R, m, H)
     return model.score(hidden)[..., 0].reshape(-1).index_select(0, packed.score_index.to(device))

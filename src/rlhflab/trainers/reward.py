@@ -265,8 +265,8 @@ def prompt_key(pair: TokenizedPair, row: int) -> tuple | int:
 
 def prompt_major(pairs: list[TokenizedPair], order: list[int], together: int = 0) -> list[int]:
     """`order` with each prompt's rows moved up to follow its first one (prompts keep the order of their first
-    rows), so that a batch cut from it holds whole prompts. With `together` > 0, a prompt's rows go in pieces of
-    at most that many, each piece moved up to its own first row (its own place in the order)."""
+    rows), so that a batch cut from it holds whole prompts, but where its edges cut one. With `together` > 0, a
+    prompt's rows go in pieces of at most that many, each piece moved up to its own first row (its own place)."""
     pieces, seen = defaultdict(list), defaultdict(int)
     for i in order:
         key = prompt_key(pairs[i], i)
@@ -279,7 +279,7 @@ def grouped_pair_scores(model, batch: list[TokenizedPair], pad_id: int) -> tuple
     """`pair_scores` with the distinct sequences of each prompt in the batch scored in one group, the prompt
     run once (`models.pack_groups`): a row's two sequences at least, all of a prompt's rows where they share a
     batch (`prompt_major`)."""
-    groups: dict = {}  # prompt key -> {sequence: its number in the group}
+    groups: dict[tuple | int, dict[tuple, int]] = {}  # prompt key -> {sequence: its number in the group}
     for i, pair in enumerate(batch):
         members = groups.setdefault(prompt_key(pair, i), {})
         for sequence in (pair.chosen, pair.rejected):
@@ -289,10 +289,14 @@ def grouped_pair_scores(model, batch: list[TokenizedPair], pad_id: int) -> tuple
         first[key], start = start, start + len(members)
     packed = models.pack_groups([[list(s) for s in members] for members in groups.values()], pad_id)
     scores = models.grouped_scores(model, packed).float()
-    number = lambda i, sequence: first[prompt_key(batch[i], i)] + groups[prompt_key(batch[i], i)][tuple(sequence)]  # noqa: E731
-    chosen = torch.tensor([number(i, p.chosen) for i, p in enumerate(batch)], device=scores.device)
-    rejected = torch.tensor([number(i, p.rejected) for i, p in enumerate(batch)], device=scores.device)
-    return scores[chosen], scores[rejected]
+
+    def numbers(side: str) -> torch.Tensor:
+        """Each row's chosen (or rejected) sequence's number among all the groups' sequences."""
+        keys = [prompt_key(pair, i) for i, pair in enumerate(batch)]
+        return torch.tensor([first[k] + groups[k][tuple(getattr(pair, side))] for k, pair in zip(keys, batch)],
+                            device=scores.device)
+
+    return scores[numbers("chosen")], scores[numbers("rejected")]
 
 
 def pair_scores(model, batch: list[TokenizedPair], pad_id: int, chunks: int = 1,
@@ -475,6 +479,10 @@ def train(cfg: RMConfig, run: RunDir | None = None) -> RunResult:
     scheduler = make_scheduler(optimizer, cfg, total)
     rng = random.Random(cfg.seed)
     log.info("reward model: %d train pairs, %d steps", len(pairs["train"]), total)
+    together = cfg.prompt_rows_together if shared_prefix else 0
+    if cfg.prompt_rows_together and not shared_prefix:  # side by side would cost agreement and save nothing
+        log.info("reward model: prompt_rows_together needs the grouped scorer (shared_prefix), which this model "
+                 "does not run; rows are shuffled one by one")
 
     done, skipped, average_state = 0, 0, None  # steps already trained: all but the data order come back
     if resumed is not None:
@@ -493,8 +501,8 @@ def train(cfg: RMConfig, run: RunDir | None = None) -> RunResult:
         for _ in range(cfg.num_epochs):
             order = list(range(len(pairs["train"])))
             rng.shuffle(order)
-            if cfg.prompt_rows_together:  # a prompt's rows side by side: it runs once for them (grouped_pair_scores)
-                order = prompt_major(pairs["train"], order, cfg.prompt_rows_together)
+            if together:  # a prompt's rows side by side: it runs once for them (grouped_pair_scores)
+                order = prompt_major(pairs["train"], order, together)
             for start in range(0, len(order), cfg.batch_size):
                 step += 1
                 if step <= done:
