@@ -8,6 +8,7 @@ import random
 import pytest
 import torch
 
+import rlhflab.rewards.model as model_reward
 from rlhflab.errors import UserInputError
 from rlhflab.models import build_random_reward_model, build_tokenizer, sequence_scores
 from rlhflab.rewards import REWARD_KINDS, CheckerReward, CombinedReward, ModelReward, Scored, random_model_reward
@@ -79,6 +80,23 @@ def test_model_reward_shift_scale_and_batching(reward_model, suite_tokenizer, it
     expected = [manual_raw(reward_model, suite_tokenizer, p, r, eos=False) for p, r in zip(prompts, responses)]
     assert no_eos.scores.tolist() == pytest.approx(expected, abs=1e-5)
     assert not torch.allclose(no_eos.scores, plain.scores, atol=1e-3)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_model_reward_scores_a_repeated_prompt_once_for_all_its_answers(suite_tokenizer, items, arch, monkeypatch):
+    model = build_random_reward_model(suite_tokenizer, arch=arch, **TINY, seed=6).eval()
+    rng = random.Random(1)
+    answers = [[item.reference, *list(violations(item, rng).values())[:2], item.reference] for item in items]
+    prompts = [item.prompt for item, texts in zip(items, answers) for _ in texts]  # each prompt 4 times
+    responses = [text for texts in answers for text in texts]  # the reference twice: one distinct row
+    groups = []  # the distinct rows each grouped forward pass was given
+    pack = model_reward.pack_groups
+    monkeypatch.setattr(model_reward, "pack_groups", lambda g, pad: groups.append(sum(map(len, g))) or pack(g, pad))
+    out = ModelReward(model, suite_tokenizer, batch_size=4, shift=0.5)(prompts, responses, [None] * len(prompts))
+    expected = [manual_raw(model, suite_tokenizer, p, r) - 0.5 for p, r in zip(prompts, responses)]
+    assert out.scores.tolist() == pytest.approx(expected, abs=1e-5)
+    assert sum(groups) == 9 and max(groups) <= 4  # 3 distinct rows a prompt, one prompt's group a pass
+    assert out.scores.std() > 0.01  # the answers' scores differ, so equality above is not trivial
 
 
 def test_model_reward_non_finite_rows_are_invalid(reward_model, suite_tokenizer, items):

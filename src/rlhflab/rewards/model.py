@@ -20,7 +20,8 @@ from rlhflab.data import encode_prompts
 from rlhflab.data.tokenize import truncate_sft
 from rlhflab.errors import UserInputError
 from rlhflab.data.prompt_rows import PromptRow
-from rlhflab.models import build_random_reward_model, is_encoder_reward_model, sequence_scores, special_tokens_frame
+from rlhflab.models import build_random_reward_model, can_pack_pairs, grouped_scores, is_encoder_reward_model
+from rlhflab.models import pack_groups, sequence_scores, special_tokens_frame
 from rlhflab.rewards.base import Scored, check_lengths, scored
 
 logger = logging.getLogger(__name__)
@@ -52,6 +53,10 @@ def encoder_rows(tokenizer, prompts: list[str], responses: list[str], max_length
 class ModelReward:
     """`(sequence_scores(rm, prompt + response [+ EOS]) - shift) / scale`, in batches of `batch_size`.
 
+    Where a prompt comes more than once (GRPO's k answers, `rlhflab rm diagnose`'s samples) and the lean forward
+    runs the model (Llama / Qwen2 layouts), each prompt's distinct rows are scored as one group that runs the
+    prompt once (`models.pack_groups`; the same scores up to float summation order).
+
     Decoder reward models: `max_length` (optional) keeps the LAST tokens of a longer row, where the
     score is read. Encoder reward models (`models.is_encoder_reward_model`): rows are `encoder_rows`,
     cut to `max_length` or else the model's position limit; `append_eos` does not apply (the frame's
@@ -72,6 +77,7 @@ class ModelReward:
         self.shift, self.scale = shift, scale
         self.append_eos = append_eos
         self.max_length = max_length
+        self.groups_prompts = not self.encoder and can_pack_pairs(reward_model)
 
     def encode(self, prompts: list[str], responses: list[str]) -> list[list[int]]:
         """Token ids of each prompt + response (+ EOS), with the reward model's tokenizer."""
@@ -95,8 +101,36 @@ class ModelReward:
     def __call__(self, prompts: list[str], responses: list[str], rows: Sequence[PromptRow]) -> Scored:
         check_lengths(prompts, responses, rows)
         rows = self.encode(prompts, responses)
-        device = next(self.reward_model.parameters()).device
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        if self.groups_prompts and len(set(prompts)) < len(prompts) and all(rows):
+            scores = self.scores_by_prompt(prompts, rows, pad)
+        else:
+            scores = self.padded_scores(rows, pad)
+        return scored((scores - self.shift) / self.scale, torch.ones_like(scores, dtype=torch.bool))
+
+    def scores_by_prompt(self, prompts: list[str], rows: list[list[int]], pad: int) -> torch.Tensor:
+        """(N,) raw scores, each prompt's distinct rows in one group (about `batch_size` rows a forward pass)."""
+        members: dict[str, dict[tuple, int]] = {}  # prompt -> {row: its number in the prompt's group}
+        for prompt, row in zip(prompts, rows):
+            group = members.setdefault(prompt, {})
+            group.setdefault(tuple(row), len(group))
+        first, start = {}, 0  # prompt -> the number of its group's first row among all distinct rows
+        for prompt, group in members.items():
+            first[prompt], start = start, start + len(group)
+        groups = [[list(row) for row in group] for group in members.values()]
+        raw, batch = [], []
+        for group in groups:  # groups in order, cut where the next one would pass batch_size rows
+            if batch and sum(map(len, batch)) + len(group) > self.batch_size:
+                raw.append(grouped_scores(self.reward_model, pack_groups(batch, pad)).float().cpu())
+                batch = []
+            batch.append(group)
+        raw.append(grouped_scores(self.reward_model, pack_groups(batch, pad)).float().cpu())
+        distinct = torch.cat(raw)
+        return distinct[torch.tensor([first[p] + members[p][tuple(row)] for p, row in zip(prompts, rows)])]
+
+    def padded_scores(self, rows: list[list[int]], pad: int) -> torch.Tensor:
+        """(N,) raw scores, `batch_size` right-padded rows a forward pass."""
+        device = next(self.reward_model.parameters()).device
         raw = []
         for start in range(0, len(rows), self.batch_size):
             chunk = rows[start:start + self.batch_size]
@@ -104,8 +138,7 @@ class ModelReward:
             ids = torch.tensor([row + [pad] * (length - len(row)) for row in chunk], device=device)
             mask = torch.tensor([[1] * len(row) + [0] * (length - len(row)) for row in chunk], device=device)
             raw.append(sequence_scores(self.reward_model, ids, mask, lean=True).float().cpu())
-        scores = torch.cat(raw) if raw else torch.zeros(0)
-        return scored((scores - self.shift) / self.scale, torch.ones_like(scores, dtype=torch.bool))
+        return torch.cat(raw) if raw else torch.zeros(0)
 
 
 def random_model_reward(tokenizer, seed: int = 0, **sizes) -> ModelReward:
