@@ -113,15 +113,20 @@ def test_verdict_reads_each_familys_gain_against_its_headroom():
         "lowercase": {"samples_per_prompt": 8, "pass_at_k": 0.9, "greedy_pass_at_1": 0.3, "status": "room"},
         "uppercase": {"samples_per_prompt": 8, "pass_at_k": 1.0, "greedy_pass_at_1": 1.0, "status": "ceiling"},
         "comma_list": {"samples_per_prompt": 8, "pass_at_k": 0.0, "greedy_pass_at_1": 0.0, "status": "none"},
+        "number_only": {"samples_per_prompt": 8, "pass_at_k": 1.0, "greedy_pass_at_1": 1.0, "status": "ceiling"},
     }}
     # (before, after, fixed, broken) of 30 test prompts per family; e.g. 15 fixed / 0 broken: Agresti-Min centre
     # 15 / 32, half-width 1.96 sqrt(16 - 15² / 32) / 32 = .1834 -> [+28.5, +65.2]
     counts = {"sum_result": (0.0, 0.0, 0, 0), "yes_no": (0.1, 0.2, 4, 1), "lowercase": (0.3, 0.8, 15, 0),
-              "uppercase": (1.0, 1.0, 0, 0), "comma_list": (0.0, 0.3, 9, 0)}
+              "uppercase": (1.0, 1.0, 0, 0), "comma_list": (0.0, 0.3, 9, 0), "number_only": (1.0, 0.6, 0, 12)}
+    # number_only: 12 broken, Agresti-Min centre -12 / 32, half-width 1.96 sqrt(13 - 12² / 32) / 32 = .1786
     changes = {f: {"before": b, "after": a, **paired_difference(fixed, broken, 30).as_difference()}
                for f, (b, a, fixed, broken) in counts.items()}
     lines = headroom_verdict(probe, changes, "ppo")
     assert lines == [  # the surprises first, one line each; then one line per expected kind
+        "ppo: number_only 100% → 60% (-40.0 pts [-55.4, -19.6]) — worse beyond noise: the reward pays for answers "
+        "of this family that the checker fails (read its samples against their rewards), or the KL leash is too "
+        "loose",
         "ppo: yes_no had headroom (pass@8 40%, greedy 10%) but did not move beyond noise: yes_no 10% → 20% "
         "(+10.0 pts [-5.3, +24.0]) — look at the reward, or evaluate on more prompts",
         "ppo: comma_list 0% → 30% (+30.0 pts [+11.4, +44.9]) although its pass@8 was 0% — passes the probe did not "

@@ -33,7 +33,7 @@ import torch
 
 from rlhflab.data.prompt_rows import PromptRow
 from rlhflab.errors import UserInputError
-from rlhflab.intervals import BETTER, difference_from_dict, points, verdict
+from rlhflab.intervals import BETTER, WORSE, difference_from_dict, points, verdict
 from rlhflab.rewards import Verifier
 from rlhflab.rollout import GenerationSettings, generate_answers
 from rlhflab.tracking import RunDir
@@ -190,9 +190,11 @@ def headroom_verdict(probe: dict, changes: dict[str, dict], stage: str) -> list[
 
     `changes[family]`: `before` / `after` pass rates and the paired interval of the difference
     (`rlhflab.intervals.paired_counts`: difference, low, high). A family "moved" only when that interval
-    lies above 0 — the one rule every comparison uses. A family with nothing to reinforce is expected
+    lies above 0 — the one rule every comparison uses — and got worse only when it lies below 0, whatever its
+    headroom: a loss RL should not have caused, said first. A family with nothing to reinforce is expected
     not to move; one with headroom whose change is within noise points at the reward (or at too few
     prompts). The surprises come first, one line each; the expected cases one line per kind."""
+    worse: list[str] = []
     surprises: list[str] = []
     grouped: dict[str, list[str]] = {"moved": [], "none": [], "ceiling": []}
     for family, h in probe["per_family"].items():
@@ -202,7 +204,11 @@ def headroom_verdict(probe: dict, changes: dict[str, dict], stage: str) -> list[
             continue
         k, moved = h["samples_per_prompt"], verdict(diff) == BETTER
         change = f"{family} {found['before']:.0%} → {found['after']:.0%} ({points(diff)})"
-        if h["status"] == "none" and moved:
+        if verdict(diff) == WORSE:
+            worse.append(f"{stage}: {change} — worse beyond noise: the reward pays for answers of this family "
+                             "that the checker fails (read its samples against their rewards), or the KL leash is "
+                             "too loose")
+        elif h["status"] == "none" and moved:
             surprises.append(f"{stage}: {change} although its pass@{k} was {h['pass_at_k']:.0%} — passes the probe "
                              "did not see (probe more prompts or samples)")
         elif h["status"] == "room" and not moved:
@@ -218,7 +224,7 @@ def headroom_verdict(probe: dict, changes: dict[str, dict], stage: str) -> list[
     heads = {"moved": "moved beyond noise where there was headroom",
              "none": "did not move, as expected: nothing to reinforce",
              "ceiling": "did not move, already passing: little left to gain"}
-    return surprises + [f"{stage}: {heads[kind]}: {'; '.join(parts)}" for kind, parts in grouped.items() if parts]
+    return worse + surprises + [f"{stage}: {heads[kind]}: {'; '.join(parts)}" for kind, parts in grouped.items() if parts]
 
 
 def check_probe_fields(cfg) -> None:
