@@ -115,6 +115,8 @@ def test_prompt_major_order_keeps_a_prompts_rows_together_in_order_of_first_sigh
     assert reward.prompt_major(pairs, [4, 0, 5, 3, 2, 1, 6], together=1) == [4, 0, 5, 3, 2, 1, 6]
     pairs.append(row([1, 2], 9))  # a third row of prompt [1, 2]: pieces of two, the third one at its own place
     assert reward.prompt_major(pairs, [4, 0, 5, 3, 7, 2, 1, 6], together=2) == [4, 1, 0, 7, 5, 3, 2, 6]
+    pairs.append(dataclasses.replace(row([3], 11), violation=reward.HARD_NEGATIVE))  # the policy's own answer
+    assert reward.prompt_major(pairs, [8, 4, 0, 1], together=3, apart=reward.POLICY_ROWS) == [8, 4, 1, 0]
 
 
 def test_always_kinds_shape_the_training_pairs_only(backbone_dir, tmp_path):

@@ -121,7 +121,7 @@ def rm_stage_config(demo: DemoConfig, model_dir: str, out: str) -> RMConfig:
               "center_rewards_coef": demo.rm_center_rewards_coef, "pair_kinds_always": demo.rm_pair_kinds_always,
               "near_misses": demo.rm_near_misses, "batch_size": demo.rm_batch_size,
               "calibration_coef": demo.rm_calibration_coef, "extra_layers": demo.rm_extra_layers,
-              "frozen_layers": demo.rm_frozen_layers}
+              "frozen_layers": demo.rm_frozen_layers, "prompt_rows_together": demo.rm_prompt_rows_together}
     if demo.rm_config:
         values |= read_yaml_config(demo.rm_config, RMConfig)
     return RMConfig(**{**values, "model": model_dir, "tokenizer": "", "output_dir": out, "overwrite": True})
@@ -181,7 +181,7 @@ def probe_sft_model(cfg: DemoConfig, run: RunDir, sft_dir: str) -> dict | None:
 RM_RECIPE_CHOSEN_ON = "validation"
 RM_RECIPE_FIELDS = ("rm_epochs", "rm_batch_size", "rm_hard_negatives", "rm_pair_prompts", "rm_learning_rate",
                     "rm_center_rewards_coef", "rm_pair_kinds_always", "rm_calibration_coef", "rm_near_misses",
-                    "rm_extra_layers", "rm_frozen_layers")
+                    "rm_extra_layers", "rm_frozen_layers", "rm_prompt_rows_together")
 
 
 def recipe_chosen_on(cfg: DemoConfig) -> str | None:
@@ -323,6 +323,9 @@ def check_later_stages(cfg: DemoConfig) -> None:
                                  f"{rm.frozen_layers} of a {depth or 'given'}-layer SFT trunk",
                                  "--rm_extra_layers / --rm_frozen_layers (or --rm_config)",
                                  "use values >= 0, with frozen layers at most the trunk's layers")
+        if rm.prompt_rows_together < 0:
+            raise UserInputError(f"prompt_rows_together must be >= 0, not {rm.prompt_rows_together}",
+                                 "--rm_prompt_rows_together (or --rm_config)", "use 3 (the demo's) or 0 (off)")
         if cfg.rm_diagnosis_samples < 1:
             raise UserInputError(f"rm_diagnosis_samples must be >= 1, not {cfg.rm_diagnosis_samples}",
                                  "--rm_diagnosis_samples", "use 8 (2,400 answers on the default test split)")

@@ -116,6 +116,9 @@ def near_miss_pairs(cfg: RMConfig, items: list[tasks.TaskItem]) -> list[data.Pai
 
 HARD_NEGATIVE = "policy_answer"  # the violation label of a hard negative: the policy's own failing answer
 SAMPLED = "policy_samples"  # a calibration row: two of the policy's own answers to one prompt, each checked
+# rows of the policy's own sampled answers: shuffled one by one even with prompt_rows_together (side by side, the
+# demo's reward model learned less per step: README "Reward model, step by step")
+POLICY_ROWS = (HARD_NEGATIVE, SAMPLED)
 
 
 @dataclass(frozen=True)
@@ -263,13 +266,14 @@ def prompt_key(pair: TokenizedPair, row: int) -> tuple | int:
     return tuple(pair.chosen[: pair.prompt_tokens]) if pair.prompt_tokens else row
 
 
-def prompt_major(pairs: list[TokenizedPair], order: list[int], together: int = 0) -> list[int]:
+def prompt_major(pairs: list[TokenizedPair], order: list[int], together: int = 0, apart: tuple = ()) -> list[int]:
     """`order` with each prompt's rows moved up to follow its first one (prompts keep the order of their first
     rows), so that a batch cut from it holds whole prompts, but where its edges cut one. With `together` > 0, a
-    prompt's rows go in pieces of at most that many, each piece moved up to its own first row (its own place)."""
+    prompt's rows go in pieces of at most that many, each piece moved up to its own first row (its own place).
+    Rows whose violation is in `apart` keep their own places."""
     pieces, seen = defaultdict(list), defaultdict(int)
     for i in order:
-        key = prompt_key(pairs[i], i)
+        key = prompt_key(pairs[i], i) if pairs[i].violation not in apart else i
         pieces[key, seen[key] // together if together else 0].append(i)
         seen[key] += 1
     return [i for members in pieces.values() for i in members]
@@ -501,8 +505,8 @@ def train(cfg: RMConfig, run: RunDir | None = None) -> RunResult:
         for _ in range(cfg.num_epochs):
             order = list(range(len(pairs["train"])))
             rng.shuffle(order)
-            if together:  # a prompt's rows side by side: it runs once for them (grouped_pair_scores)
-                order = prompt_major(pairs["train"], order, together)
+            if together:  # a prompt's pairs side by side: it runs once for them (grouped_pair_scores)
+                order = prompt_major(pairs["train"], order, together, apart=POLICY_ROWS)
             for start in range(0, len(order), cfg.batch_size):
                 step += 1
                 if step <= done:
