@@ -1,6 +1,7 @@
 """Shared-prefix packing of reward-model pairs (models/packing.py) against scoring each sequence alone."""
 
 import pytest
+from reward_scores import separate_scores
 import torch
 
 from rlhflab.models import (
@@ -11,7 +12,6 @@ from rlhflab.models import (
     pack_shared_prefix,
     packed_length,
     packed_pair_scores,
-    sequence_scores,
 )
 from rlhflab.tasks import template_corpus
 
@@ -61,13 +61,6 @@ def test_empty_input_is_refused():
         pack_shared_prefix([([1], [])], pad_id=PAD)
 
 
-def separate_scores(model, seqs):
-    length = max(map(len, seqs))
-    ids = torch.tensor([s + [PAD] * (length - len(s)) for s in seqs])
-    mask = torch.tensor([[1] * len(s) + [0] * (length - len(s)) for s in seqs])
-    return sequence_scores(model, ids, mask)
-
-
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_packed_scores_and_gradients_equal_separate_sequences(tokenizer, arch):
     model = build_random_reward_model(tokenizer, arch=arch, **TINY, seed=1)
@@ -82,7 +75,7 @@ def test_packed_scores_and_gradients_equal_separate_sequences(tokenizer, arch):
         if packed:
             chosen, rejected = packed_pair_scores(model, pack_shared_prefix(PAIRS, PAD))
         else:
-            scores = separate_scores(model, [c for c, _ in PAIRS] + [r for _, r in PAIRS])
+            scores = separate_scores(model, [c for c, _ in PAIRS] + [r for _, r in PAIRS], PAD)
             chosen, rejected = scores[: len(PAIRS)], scores[len(PAIRS) :]
         (chosen * torch.tensor([1.0, -2.0, 0.5, 1.5, -1.0]) + rejected ** 2).sum().backward()
         return chosen.detach(), rejected.detach(), [p.grad.clone() for p in model.parameters()]

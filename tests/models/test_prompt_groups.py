@@ -1,10 +1,10 @@
 """Sequences grouped by their shared prompt (models/prompt_groups.py) against scoring each sequence alone."""
 
 import pytest
+from reward_scores import separate_scores
 import torch
 
 from rlhflab.models import build_random_reward_model, build_tokenizer, disable_dropout, grouped_scores, pack_groups
-from rlhflab.models import sequence_scores
 from rlhflab.models.prompt_groups import group_prefix_length
 from rlhflab.tasks import template_corpus
 
@@ -67,13 +67,6 @@ def test_empty_input_is_refused():
         pack_groups([], pad_id=PAD)
 
 
-def separate_scores(model, seqs):
-    length = max(map(len, seqs))
-    ids = torch.tensor([s + [PAD] * (length - len(s)) for s in seqs])
-    mask = torch.tensor([[1] * len(s) + [0] * (length - len(s)) for s in seqs])
-    return sequence_scores(model, ids, mask)
-
-
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_grouped_scores_and_gradients_equal_separate_sequences(tokenizer, arch):
     model = build_random_reward_model(tokenizer, arch=arch, **TINY, seed=1)
@@ -86,7 +79,7 @@ def test_grouped_scores_and_gradients_equal_separate_sequences(tokenizer, arch):
 
     def run(grouped: bool):
         model.zero_grad()
-        scores = grouped_scores(model, pack_groups(GROUPS, PAD)) if grouped else separate_scores(model, sequences)
+        scores = grouped_scores(model, pack_groups(GROUPS, PAD)) if grouped else separate_scores(model, sequences, PAD)
         (scores * weights + scores ** 2).sum().backward()
         return scores.detach(), [p.grad.clone() for p in model.parameters()]
 
