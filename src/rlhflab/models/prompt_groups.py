@@ -39,14 +39,18 @@ class PackedGroups:
     score_index: Tensor  # (N,) long: sequence n's place in the flat (R * m) reads; n counts the groups' sequences in order
 
     def allowed(self, device: torch.device | str = "cpu") -> Tensor:
-        """(R, W, W) bool on `device`: a token reads the earlier tokens of its group's prefix and of its own rest;
-        padding reads itself."""
-        group, part = self.group.to(device), self.part.to(device)
-        width = group.shape[1]
-        causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
-        same_group = (group[:, :, None] == group[:, None, :]) & (group[:, None, :] >= 0)
-        own_part = (part[:, None, :] == 0) | (part[:, None, :] == part[:, :, None])
-        return (causal & same_group & own_part) | torch.eye(width, dtype=torch.bool, device=device)
+        """(R, W, W) bool on `device` (`group_mask`)."""
+        return group_mask(self.group.to(device), self.part.to(device))
+
+
+def group_mask(group: Tensor, part: Tensor) -> Tensor:
+    """(R, W) group ids (-1 = padding) and parts (0 = the shared prefix, j + 1 = continuation j) -> (R, W, W) bool:
+    a token reads the earlier tokens of its group's prefix and of its own part; padding reads itself."""
+    width, device = group.shape[1], group.device
+    causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
+    same_group = (group[:, :, None] == group[:, None, :]) & (group[:, None, :] >= 0)
+    own_part = (part[:, None, :] == 0) | (part[:, None, :] == part[:, :, None])
+    return (causal & same_group & own_part) | torch.eye(width, dtype=torch.bool, device=device)
 
 
 def group_prefix_length(sequences: list[list[int]]) -> int:

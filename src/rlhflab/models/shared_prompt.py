@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from rlhflab.models.lean import LeanPlan, lean_hidden
+from rlhflab.models.prompt_groups import group_mask
 from rlhflab.models.prompt_pass import packed_groups
 
 
@@ -147,11 +148,7 @@ def _logit_index(group_of: list[int], prompt_read: dict, answer_read: dict, answ
 def _allowed(layout: _Layout, device: torch.device) -> Tensor:
     """(R, W, W): a token reads the earlier tokens of its group's prompt and of its own part; padding itself."""
     rows, width = len(layout.read), layout.width
-    group, part = _long(layout.group, device).view(rows, width), _long(layout.part, device).view(rows, width)
-    causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
-    same_group = (group[:, :, None] == group[:, None, :]) & (group[:, None, :] >= 0)
-    own_part = (part[:, None, :] == 0) | (part[:, None, :] == part[:, :, None])
-    return (causal & same_group & own_part) | torch.eye(width, dtype=torch.bool, device=device)
+    return group_mask(_long(layout.group, device).view(rows, width), _long(layout.part, device).view(rows, width))
 
 
 def shared_prompt_logits(plan: LeanPlan, query_ids: Tensor, query_mask: Tensor, response_ids: Tensor,
