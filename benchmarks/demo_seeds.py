@@ -44,8 +44,8 @@ LAST_UPDATES = 5
 SMOKE_ARGS = ["--max_steps", "4", "--batch_size", "8", "--eval_every", "0", "--sft_examples", "64",
               "--num_train_prompts", "22", "--num_validation_prompts", "11", "--num_test_prompts", "11",
               "--hidden_size", "32", "--num_layers", "1", "--intermediate_size", "64", "--max_new_tokens", "8",
-              "--rm_pair_prompts", "44", "--rm_epochs", "1", "--ppo_total_episodes", "16", "--headroom_samples", "2",
-              "--rm_diagnosis_samples", "1"]
+              "--rm_pair_prompts", "44", "--rm_epochs", "1", "--ppo_total_episodes", "16",
+              "--headroom_samples", "2", "--rm_diagnosis_samples", "1"]
 
 
 @dataclass(frozen=True)
@@ -124,6 +124,7 @@ def headline(summary: dict, run_dir: Path) -> dict[str, float]:
     row |= {f"clock/{k}": v for k, v in summary["wall_time_s"].items()}
     row |= {f"cpu/{k}": v for k, v in (summary.get("cpu_time_s") or {}).items()}
     row |= {f"load/{k}": v for k, v in (summary.get("load_average_1min") or {}).items()}
+    row |= {f"gflops/{k}": v for k, v in (summary.get("matmul_gflops") or {}).items()}
     return row
 
 
@@ -137,12 +138,12 @@ def fmt(x: float, key: str) -> str:
         return f"{x:+.1f}" if key.startswith("gain/") else f"{x:.1f}"
     if key.startswith(("clock/", "cpu/")):
         return f"{x:.0f}"
-    return f"{x:.3f}" if not key.startswith("load/") else f"{x:.1f}"
+    return f"{x:.3f}" if not key.startswith(("load/", "gflops/")) else f"{x:.1f}"
 
 
 UNITS = {"test/": "% of test prompts", "gain/": "points over SFT", "rm/": "", "explained_variance/":
          f"mean of the last {LAST_UPDATES} updates", "clock/": "s (wall)", "cpu/": "s (process CPU)",
-         "load/": "1-min load average"}
+         "load/": "1-min load average", "gflops/": "one core's matmul GFLOP/s (demo/clock.py)"}
 
 
 def section(rows: dict[int, dict[str, float]], commit: str, extra: list[str], threads: int) -> str:
@@ -154,8 +155,8 @@ def section(rows: dict[int, dict[str, float]], commit: str, extra: list[str], th
              f"`--threads {threads}`, OMP_WAIT_POLICY=PASSIVE). Mean, sample sd and the 95 % interval of the "
              "mean (Student's t over the seeds); test pass rates greedy on the 300-prompt test split of each "
              "seed; the clock is the demo's own (summary.json `wall_time_s`, start-up not included) with the "
-             "process's CPU seconds and the 1-minute load average beside it, since a shared machine stretches "
-             "wall time.", "",
+             "process's CPU seconds, the 1-minute load average and one core's matmul speed at start and end "
+             "(demo/clock.py) beside it, since a shared or slower machine stretches wall time.", "",
              "| number | unit | " + " | ".join(f"seed {s}" for s in seeds) + " | mean | sd | 95 % interval |",
              "| --- | --- | " + " | ".join("---" for _ in seeds) + " | --- | --- | --- |"]
     for key in keys:

@@ -21,6 +21,22 @@ def test_parts_add_up_and_cpu_counts_work_not_sleep():
     assert summary["cpu_time_s"]["eval"] < 0.05 < summary["wall_time_s"]["eval"]  # sleeping costs no CPU
     assert summary["cpu_time_s"]["train"] >= 0.2 and summary["cpu_time_s"]["total"] == 2.0
     assert set(summary["load_average_1min"]) == {"start", "end"}
+    assert set(summary["matmul_gflops"]) == {"start", "end"} and min(summary["matmul_gflops"].values()) > 0.1
+
+
+def test_the_machine_speed_probe_times_one_thread_and_gives_the_threads_back(monkeypatch):
+    import torch
+
+    from rlhflab.demo import clock
+
+    seen = []
+    real_mm = torch.mm
+    monkeypatch.setattr(torch, "mm", lambda a, b: seen.append(torch.get_num_threads()) or real_mm(a, b))
+    before = torch.get_num_threads()
+    speed = clock.matmul_speed(seconds=0.05)
+    assert torch.get_num_threads() == before and set(seen) == {1} and len(seen) >= 11  # warm-up + one round
+    rows, inner, cols = clock.REFERENCE_SHAPE
+    assert speed >= 2 * rows * inner * cols * (len(seen) - 1) / 1e9 / 10  # the rounds done over at most ~10x the time
 
 
 def test_cpu_spent_in_a_child_process_is_added_to_its_part_and_the_total():

@@ -40,7 +40,7 @@ def fake_demo(folder: Path, seed: int) -> None:
     summary = {"stage": "demo", "test_pass_rate": {"sft": 0.40, "ppo": 0.75 + 0.01 * seed, "ppo_rm": 0.70},
                "rm": {"test_accuracy": 0.95, "pass_fail_correlation": 0.80 + 0.01 * seed, "roc_auc": 0.97},
                "wall_time_s": {"sft": 100.0, "total": 250.0 + seed}, "cpu_time_s": {"sft": 150.0, "total": 380.0},
-               "load_average_1min": {"start": 1.0, "end": 2.0}}
+               "load_average_1min": {"start": 1.0, "end": 2.0}, "matmul_gflops": {"start": 50.0 + seed, "end": 48.0}}
     (folder / "summary.json").write_text(json.dumps(summary))
 
 
@@ -56,9 +56,12 @@ def test_the_script_reads_every_seed_and_replaces_its_section(tmp_path):
     assert rows["1"]["gain/ppo"] == pytest.approx(36.0) and rows["2"]["gain/ppo_rm"] == pytest.approx(30.0)
     assert rows["0"]["explained_variance/ppo"] == pytest.approx(0.3)  # the mean of the run's last updates
     assert rows["0"]["clock/total"] == 250.0 and rows["0"]["cpu/total"] == 380.0 and rows["0"]["load/end"] == 2.0
+    assert rows["2"]["gflops/start"] == 52.0
     text = results.read_text()
     assert text.startswith("# Results\n\nearlier text\n") and text.count(script.BEGIN) == 1
     gain = next(line for line in text.splitlines() if line.startswith("| `gain/ppo` "))
     assert "| +35.0 | +36.0 | +37.0 | +36.0 | 1.0 | +33.5 to +38.5 (excludes 0) |" in gain and "(excludes 0)" in gain
+    speed = next(line for line in text.splitlines() if line.startswith("| `gflops/start` "))
+    assert "| 50.0 | 51.0 | 52.0 | 51.0 |" in speed
     script.main(args)  # a second run replaces the section, keeps the rest
     assert results.read_text() == text

@@ -25,11 +25,13 @@ def build(arch: str, seed: int = 0):
 
 
 
-def save_suite_model(folder) -> str:
-    """A 2-layer Llama with the built-in suite's tokenizer, saved as an HF folder (trainer tests start from it)."""
+def save_suite_model(folder, arch: str = "llama") -> str:
+    """A 2-layer model (Llama unless asked) with the built-in suite's tokenizer, saved as an HF folder (trainer tests
+    start from it)."""
     from rlhflab import models, tasks
 
     tokenizer = models.build_tokenizer(tasks.template_corpus(), vocab_size=256)
-    model = models.build_tiny_model(tokenizer, hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64, seed=0)
+    model = models.build_tiny_model(tokenizer, arch=arch, hidden_size=32, num_layers=2, num_heads=4,
+                                    intermediate_size=64, seed=0)
     models.save_model_folder(folder, model, tokenizer)
     return str(folder)

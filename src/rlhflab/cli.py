@@ -109,6 +109,10 @@ def run_demo(cfg) -> int:
         load = summary.get("load_average_1min") or {}
         print("  " + ", ".join(f"{k} {v:.0f}" for k, v in parts.items()) + f" s; CPU {summary['cpu_time_s']['total']:.0f}"
               f" s; load average {load.get('start', float('nan')):.1f} -> {load.get('end', float('nan')):.1f}")
+    if summary.get("matmul_gflops"):  # the cores' own speed: the same demo takes longer on a slower hour
+        speed = summary["matmul_gflops"]
+        print(f"  one core's speed (a fixed matmul, demo/clock.py): {speed['start']:.0f} GFLOP/s at the start, "
+              f"{speed['end']:.0f} at the end")
     if summary.get("side_by_side"):  # "ppo" above is only the wait after the RM's stages
         print(f"  the checker's PPO ran in a second process beside rm_diagnosis and ppo_rm: "
               f"{summary['side_by_side']['ppo']:.0f} s of its own (RUN/ppo.log)")

@@ -168,7 +168,7 @@ def test_unknown_key_is_an_error_with_a_suggestion(tmp_path, capsys):
 @pytest.mark.parametrize("flags, named", [(["--ppo_total_episodes", "16"], "--ppo_total_episodes"),
                                           (["--rm_diagnosis_samples", "0"], "--rm_diagnosis_samples"),
                                           (["--stage_processes", "-1"], "--stage_processes"),
-                                          (["--rm_frozen_layers", "4"], "--rm_frozen_layers"),
+                                          (["--rm_frozen_layers", "6"], "--rm_frozen_layers"),
                                           (["--rm_extra_layers", "-1"], "--rm_extra_layers"),
                                           (["--rm_prompt_rows_together", "-1"], "--rm_prompt_rows_together")])
 def test_a_bad_later_stage_value_is_refused_before_sft_naming_the_demo_flag(tmp_path, capsys, flags, named):

@@ -97,6 +97,7 @@ def test_yaml_scientific_notation_without_dot_is_a_float(tmp_path):
 @pytest.mark.parametrize(("name", "stage"), [
     ("sft_tiny", "sft"), ("sft", "sft"), ("eval", "eval"), ("demo", "demo"),
     ("ppo_tiny", "ppo"), ("ppo_lora", "ppo"), ("rm_tiny", "rm"), ("rm_deep", "rm"),
+    ("rm_shallow", "rm"),
 ])
 def test_shipped_config_files_parse(name, stage):
     from pathlib import Path
@@ -110,7 +111,8 @@ def test_every_shipped_config_file_is_tested():
     from pathlib import Path
 
     shipped = {p.stem for p in (Path(__file__).resolve().parents[2] / "configs").glob("*.yaml")}
-    assert shipped == {"sft_tiny", "sft", "eval", "demo", "ppo_tiny", "ppo_lora", "rm_tiny", "rm_deep"}
+    assert shipped == {"sft_tiny", "sft", "eval", "demo", "ppo_tiny", "ppo_lora", "rm_tiny", "rm_deep",
+                       "rm_shallow"}
 
 
 def test_a_no_flag_says_it_turns_the_option_off_and_keeps_the_default():
@@ -125,6 +127,34 @@ def test_the_deep_reward_model_file_sets_the_recipe_the_readme_measured():
     cfg = parse_config(RMConfig, ["--config", str(path), "--model", "m"], prog="rlhflab rm")
     assert (cfg.extra_layers, cfg.pair_prompts, cfg.num_epochs, cfg.batch_size) == (2, 9600, 1, 64)
     assert (cfg.learning_rate, cfg.hard_negatives, cfg.calibration_coef, cfg.frozen_layers) == (6e-4, 2, 3.0, 0)
+
+
+def test_the_demo_config_file_spells_out_the_demos_defaults():
+    from rlhflab.config import DemoConfig
+
+    path = Path(__file__).resolve().parents[2] / "configs" / "demo.yaml"
+    assert parse_config(DemoConfig, ["--config", str(path)], prog="rlhflab demo") == DemoConfig()
+
+
+def recipe_of(demo_cfg) -> dict:
+    from rlhflab.demo import rm_stage_config
+
+    rm = rm_stage_config(demo_cfg, "m", "out")
+    return {f: getattr(rm, f) for f in ("extra_layers", "pair_prompts", "num_epochs", "batch_size", "learning_rate",
+                                        "pairs_per_prompt", "pair_kinds_always", "hard_negatives",
+                                        "calibration_coef", "center_rewards_coef", "prompt_rows_together",
+                                        "near_misses", "frozen_layers")}
+
+
+def test_the_demo_trains_the_deep_recipe_by_default_and_the_shallow_file_is_its_earlier_one():
+    from rlhflab.config import DemoConfig
+
+    configs = Path(__file__).resolve().parents[2] / "configs"
+    default = recipe_of(DemoConfig())
+    assert default == recipe_of(DemoConfig(rm_config=str(configs / "rm_deep.yaml")))
+    assert (default["extra_layers"], default["pair_prompts"], default["num_epochs"]) == (2, 9600, 1)
+    shallow = recipe_of(DemoConfig(rm_config=str(configs / "rm_shallow.yaml")))
+    assert shallow == {**default, "extra_layers": 0, "pair_prompts": 2400, "num_epochs": 3}
 
 
 def test_the_split_that_chose_the_reward_model_recipe_is_recorded_only_for_an_unchanged_chosen_recipe(tmp_path):

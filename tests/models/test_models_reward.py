@@ -151,23 +151,32 @@ def test_load_reward_model_refuses_causal_lm_and_missing_path(tmp_path, suite_to
         load_reward_model(tmp_path / "missing")
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+# per tiny architecture: where the trunk's layers are, a layer's residual outputs and one of its input projections
+TRUNKS = {"llama": ("layers", ("self_attn.o_proj", "mlp.down_proj"), "self_attn.q_proj"),
+          "qwen2": ("layers", ("self_attn.o_proj", "mlp.down_proj"), "self_attn.q_proj"),
+          "gpt_neox": ("layers", ("attention.dense", "mlp.dense_4h_to_h"), "attention.query_key_value"),
+          "gpt2": ("h", ("attn.c_proj", "mlp.c_proj"), "attn.c_attn")}
+
+
+@pytest.mark.parametrize("arch", sorted(TRUNKS))
 def test_grow_trunk_starts_as_the_same_scorer_and_saves_as_an_ordinary_folder(tmp_path, suite_tokenizer, arch):
+    where, outputs, an_input = TRUNKS[arch]
     base = build_random_reward_model(suite_tokenizer, arch=arch, **TINY, seed=5).eval()
     grown = grow_trunk(copy.deepcopy(base), 2).eval()
     ids, mask = pad(encode(suite_tokenizer, TEXTS), suite_tokenizer.pad_token_id, "left")
     with torch.no_grad():
         before = sequence_scores(base, ids, mask)
         after, lean = sequence_scores(grown, ids, mask), sequence_scores(grown, ids, mask, lean=True)
-    assert len(grown.base_model.layers) == grown.config.num_hidden_layers == TINY["num_layers"] + 2
+    layers, base_last = getattr(grown.base_model, where), getattr(base.base_model, where)[-1]
+    assert len(layers) == grown.config.num_hidden_layers == TINY["num_layers"] + 2
     assert torch.allclose(after, before, atol=1e-6) and torch.allclose(lean, before, atol=1e-5)
-    new = grown.base_model.layers[-1]
-    assert not new.self_attn.o_proj.weight.any() and not new.mlp.down_proj.weight.any()  # identity at the start
-    assert torch.equal(new.self_attn.q_proj.weight, base.base_model.layers[-1].self_attn.q_proj.weight)
-    assert new.self_attn.o_proj.weight.data_ptr() != base.base_model.layers[-1].self_attn.o_proj.weight.data_ptr()
-    assert new.self_attn.config is grown.base_model.layers[0].self_attn.config  # one HF config, as HF's own layers
+    new = layers[-1]
+    assert not any(new.get_submodule(name).weight.any() for name in outputs)  # identity at the start
+    assert torch.equal(new.get_submodule(an_input).weight, base_last.get_submodule(an_input).weight)
+    assert new.get_submodule(outputs[0]).weight.data_ptr() != base_last.get_submodule(outputs[0]).weight.data_ptr()
+    assert [m.layer_idx for m in new.modules() if hasattr(m, "layer_idx")] == [len(layers) - 1]  # its own cache slot
     with torch.no_grad():  # a trained grown model (nonzero new outputs) reloads as itself from its HF folder
-        new.mlp.down_proj.weight.normal_(0, 0.5)
+        new.get_submodule(outputs[1]).weight.normal_(0, 0.5)
         changed = sequence_scores(grown, ids, mask)
     assert not torch.allclose(changed, before, atol=1e-4)
     save_model_folder(tmp_path / "rm", grown, suite_tokenizer)
@@ -177,8 +186,16 @@ def test_grow_trunk_starts_as_the_same_scorer_and_saves_as_an_ordinary_folder(tm
         assert torch.allclose(sequence_scores(loaded, ids, mask), changed, atol=1e-6)
 
 
-def test_grow_trunk_refuses_a_trunk_without_decoder_layers(suite_tokenizer):
-    gpt2 = build_random_reward_model(suite_tokenizer, arch="gpt2", **TINY)
-    assert grow_trunk(gpt2, 0) is gpt2  # nothing asked, nothing checked
+def test_grown_layers_share_the_trunks_config_object(suite_tokenizer):
+    grown = grow_trunk(build_random_reward_model(suite_tokenizer, arch="llama", **TINY), 1)
+    assert grown.base_model.layers[-1].self_attn.config is grown.base_model.layers[0].self_attn.config
+
+
+def test_grow_trunk_refuses_a_model_without_decoder_layers_it_knows():
+    from transformers import BertConfig, BertForSequenceClassification
+
+    bert = BertForSequenceClassification(BertConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                                    intermediate_size=32, vocab_size=40, num_labels=1))
+    assert grow_trunk(bert, 0) is bert  # nothing asked, nothing checked
     with pytest.raises(UserInputError, match="extra_layers"):
-        grow_trunk(gpt2, 1)
+        grow_trunk(bert, 1)

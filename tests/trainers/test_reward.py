@@ -212,6 +212,20 @@ def test_a_grown_trunk_trains_its_new_layers_and_leaves_the_frozen_ones(backbone
     assert result.summary["pairs"]["train"]["accuracy"] > 0.7  # chance is 0.5
 
 
+def test_a_gpt2_trunk_grows_and_freezes_as_a_llama_one(tmp_path):
+    # the demo grows its reward model's trunk by default (rm_extra_layers 2), whatever --arch it was given
+    backbone = save_suite_model(tmp_path / "gpt2", arch="gpt2")
+    result = reward.train(tiny_rm_cfg(backbone, tmp_path, num_epochs=4, num_train_prompts=44, extra_layers=1,
+                                      frozen_layers=1))
+    start = models.load_causal_lm(backbone).transformer
+    rm = models.load_reward_model(result.model_dir).transformer
+    assert len(rm.h) == len(start.h) + 1 == rm.config.n_layer
+    assert torch.equal(rm.wte.weight, start.wte.weight)  # frozen token embeddings
+    assert all(torch.equal(a, b) for a, b in zip(rm.h[0].parameters(), start.h[0].parameters()))
+    assert rm.h[-1].attn.c_proj.weight.abs().sum() > 0 and rm.h[-1].mlp.c_proj.weight.abs().sum() > 0  # trained
+    assert result.summary["pairs"]["train"]["accuracy"] > 0.7  # chance is 0.5
+
+
 def test_freezing_more_layers_than_the_trunk_has_is_refused(backbone_dir, tmp_path):
     with pytest.raises(UserInputError, match="frozen_layers"):
         reward.train(tiny_rm_cfg(backbone_dir, tmp_path, frozen_layers=9))

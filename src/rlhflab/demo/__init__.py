@@ -20,7 +20,6 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Iterator
 
 import torch
 
@@ -48,6 +47,7 @@ from rlhflab.errors import UserInputError
 from rlhflab.tracking import RunDir, RunResult, default_run_path
 from rlhflab.trainers import ppo, reward, sft
 from rlhflab.demo.beside import StageBeside
+from rlhflab.demo.clock import StageClock
 from rlhflab.trainers.headroom import headroom_verdict, record_start_headroom
 from rlhflab.trainers.setup import configure_threads, resolve_device
 
@@ -63,45 +63,6 @@ def shared_fields(demo: DemoConfig, stage_cls: type) -> dict:
     names = {n for part in SHARED_PARTS for n in field_names(part)} - {"output_dir", "overwrite"}
     names.add("nonfinite")  # the one CheckpointFields value every stage takes from the demo (save_every differs)
     return {n: getattr(demo, n) for n in names & set(field_names(stage_cls))}
-
-
-class StageClock:
-    """Wall and CPU seconds of each part of the demo (the demo's own clock and its split).
-
-    CPU seconds are this process's, all threads, plus a child process's given to `add_cpu` (a stage run
-    beside the others, counted under its part). On a machine others share, wall time grows with
-    their load while CPU time moves much less, so the pair tells a slow machine from a slow demo;
-    the 1-minute load average at start and end says how shared it was."""
-
-    def __init__(self):
-        self.wall: dict[str, float] = {}
-        self.cpu: dict[str, float] = {}
-        self.load_start = os.getloadavg()[0]
-        self.elsewhere_cpu = 0.0  # CPU seconds of child processes (add_cpu)
-
-    @contextlib.contextmanager
-    def __call__(self, name: str) -> Iterator[None]:
-        wall, cpu = time.time(), time.process_time()
-        yield
-        self.wall[name] = self.wall.get(name, 0.0) + time.time() - wall
-        self.cpu[name] = self.cpu.get(name, 0.0) + time.process_time() - cpu
-
-    def add(self, name: str, wall: float, cpu: float) -> None:
-        """Wall and CPU seconds of this process measured elsewhere for part `name` (a share of a longer span)."""
-        self.wall[name] = self.wall.get(name, 0.0) + wall
-        self.cpu[name] = self.cpu.get(name, 0.0) + cpu
-
-    def add_cpu(self, name: str, seconds: float) -> None:
-        """CPU seconds spent elsewhere (a stage run in a child process) for part `name` and the total."""
-        self.cpu[name] = self.cpu.get(name, 0.0) + seconds
-        self.elsewhere_cpu += seconds
-
-    def summary(self, total_wall: float, total_cpu: float) -> dict:
-        rounded = lambda parts, total: {**{k: round(v, 1) for k, v in parts.items()},  # noqa: E731
-                                        "total": round(total, 1)}
-        return {"wall_time_s": rounded(self.wall, total_wall),
-                "cpu_time_s": rounded(self.cpu, total_cpu + self.elsewhere_cpu),
-                "load_average_1min": {"start": round(self.load_start, 2), "end": round(os.getloadavg()[0], 2)}}
 
 
 def ppo_stage_config(demo: DemoConfig, model_dir: str, out: str, **reward_fields) -> PPOConfig:

@@ -126,32 +126,50 @@ def build_reward_model(
 build_reward_model_from_causal = build_reward_model  # its name from before encoders were accepted
 
 
-def _decoder_layers(model: PreTrainedModel) -> nn.ModuleList | None:
-    """The trunk's Llama-style decoder layers (`model.layers`, each with `self_attn.o_proj` and
-    `mlp.down_proj`: Llama, Qwen2 and their kin), or None."""
-    layers = getattr(model.base_model, "layers", None)
-    if not isinstance(layers, nn.ModuleList) or not len(layers):
-        return None
-    parts = (("self_attn", "o_proj"), ("mlp", "down_proj"))
-    llama_style = all(hasattr(getattr(layer, part, None), proj) for layer in layers for part, proj in parts)
-    return layers if llama_style else None
+# Decoder layouts whose trunk can grow and freeze: where the layers are on the base model, and each layer's two
+# residual outputs (attention, MLP), the projections whose zero makes the layer the identity whatever its residual
+# form (sequential as Llama, or parallel as GPT-NeoX's default).
+TRUNK_LAYOUTS = (
+    ("layers", ("self_attn.o_proj", "mlp.down_proj")),  # Llama, Qwen2 and their kin
+    ("layers", ("attention.dense", "mlp.dense_4h_to_h")),  # GPT-NeoX (Pythia)
+    ("h", ("attn.c_proj", "mlp.c_proj")),  # GPT-2
+)
+
+
+def _decoder_layers(model: PreTrainedModel) -> tuple[nn.ModuleList, tuple[str, str]] | None:
+    """The trunk's decoder layers and their residual outputs' names (TRUNK_LAYOUTS), or None."""
+    for where, outputs in TRUNK_LAYOUTS:
+        layers = getattr(model.base_model, where, None)
+        if isinstance(layers, nn.ModuleList) and len(layers) and all(
+                _has_module(layer, name) for layer in layers for name in outputs):
+            return layers, outputs
+    return None
+
+
+def _has_module(module: nn.Module, dotted: str) -> bool:
+    try:
+        module.get_submodule(dotted)
+    except AttributeError:
+        return False
+    return True
 
 
 def grow_trunk(model: PreTrainedModel, extra_layers: int) -> PreTrainedModel:
     """Append `extra_layers` decoder layers to a decoder classifier's trunk, each starting as the identity.
 
-    A new layer is a copy of the last one with its two residual outputs (attention `o_proj`, MLP
-    `down_proj`) zeroed, so the grown model scores every sequence exactly as before, and training
-    starts from the trunk's own attention and MLP weights. The reward model then has more depth than
-    the policy it judges, for checks the policy's trunk cannot make (a copied word against the prompt).
-    Saved and loaded as an ordinary HF folder: `num_hidden_layers` (and `layer_types`) grow with it.
-    Llama-style trunks (tested: Llama, Qwen2)."""
+    A new layer is a copy of the last one with its two residual outputs (attention, MLP: TRUNK_LAYOUTS) zeroed,
+    so the grown model scores every sequence exactly as before, and training starts from the trunk's own
+    attention and MLP weights. The reward model then has more depth than the policy it judges, for checks the
+    policy's trunk cannot make (a copied word against the prompt). Saved and loaded as an ordinary HF folder:
+    `num_hidden_layers` (and `layer_types`) grow with it. Llama, Qwen2, GPT-NeoX and GPT-2 layouts (tested)."""
     if extra_layers <= 0:
         return model
-    layers = _decoder_layers(model)
-    if layers is None:
-        raise UserInputError(f"{type(model).__name__} has no Llama-style decoder layers (model.layers) to grow",
-                             "--extra_layers", "use a Llama / Qwen2-style backbone, or --extra_layers 0")
+    found = _decoder_layers(model)
+    if found is None:
+        raise UserInputError(f"{type(model).__name__} has no decoder layers of a known layout to grow (Llama / "
+                             "Qwen2 / GPT-NeoX / GPT-2)", "--extra_layers",
+                             "use one of those backbones, or --extra_layers 0")
+    layers, outputs = found
     last = layers[-1]
     for _ in range(extra_layers):
         # the copy shares the model's HF config object (as every layer does), so later changes to it, e.g. the
@@ -159,12 +177,13 @@ def grow_trunk(model: PreTrainedModel, extra_layers: int) -> PreTrainedModel:
         shared = {id(m.config): m.config for m in last.modules() if hasattr(m, "config")}
         layer = copy.deepcopy(last, memo=dict(shared))
         with torch.no_grad():
-            for out in (layer.self_attn.o_proj, layer.mlp.down_proj):
+            for out in (layer.get_submodule(name) for name in outputs):
                 out.weight.zero_()
                 if out.bias is not None:
                     out.bias.zero_()
-        if hasattr(layer.self_attn, "layer_idx"):  # the KV-cache slot this layer writes during generation
-            layer.self_attn.layer_idx = len(layers)
+        for module in layer.modules():  # the KV-cache slot the layer's attention writes during generation
+            if isinstance(getattr(module, "layer_idx", None), int):
+                module.layer_idx = len(layers)
         layers.append(layer)
     # the classifier's, its text part's and the trunk's config may be one object or several: each once
     for config in {id(c): c for c in (model.config, model.config.get_text_config(), model.base_model.config)}.values():
@@ -181,15 +200,16 @@ def freeze_lower_layers(model: PreTrainedModel, layers: int) -> PreTrainedModel:
     above the frozen layers."""
     if layers <= 0:
         return model
-    blocks = _decoder_layers(model)
-    embed = getattr(model.base_model, "embed_tokens", None)
-    if blocks is None or embed is None:
-        raise UserInputError(f"--frozen_layers needs a Llama-style trunk (model.layers); {type(model).__name__} "
-                             "has none", "--frozen_layers", "use a Llama / Qwen2-style backbone, or --frozen_layers 0")
+    found = _decoder_layers(model)
+    if found is None:
+        raise UserInputError(f"--frozen_layers needs a trunk of decoder layers of a known layout (Llama / Qwen2 / "
+                             f"GPT-NeoX / GPT-2); {type(model).__name__} has none", "--frozen_layers",
+                             "use one of those backbones, or --frozen_layers 0")
+    blocks = found[0]
     if layers > len(blocks):
         raise UserInputError(f"cannot freeze {layers} decoder layers: the trunk has {len(blocks)}", "--frozen_layers",
                              f"use at most {len(blocks)} (the backbone's layers plus --extra_layers), or 0")
-    for module in (embed, *blocks[:layers]):
+    for module in (model.get_input_embeddings(), *blocks[:layers]):
         module.requires_grad_(False)
     return model
 

