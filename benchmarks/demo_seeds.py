@@ -9,9 +9,10 @@ could differ in. Each demo is its own process (its own clock; OMP_WAIT_POLICY=PA
 One run is one draw: the README's demo table cites these means and intervals, not one run's digits.
 
 Per seed it reads RUN/summary.json (test pass rates, gains, reward-model figures, the demo's clock
-and its split, CPU seconds, load average) and the PPO stages' metrics.jsonl (explained variance at
-the end). The interval of a mean is Student's t over the seeds (mean +- t * sd / sqrt(n)); a gain's
-interval excluding 0 means the gain is larger than the seeds' spread can explain.
+and its split, CPU seconds, load average, one core's matmul speed) and the PPO stages' metrics.jsonl
+(explained variance at the end). The interval of a mean is Student's t over the seeds
+(mean +- t * sd / sqrt(n)); a gain's interval excluding 0 means the gain is larger than the seeds' spread can
+explain.
 `--write` replaces the section between the markers below in benchmarks/RESULTS.md (or appends it).
 """
 
@@ -109,7 +110,7 @@ def end_explained_variance(metrics: Path) -> float:
 
 def headline(summary: dict, run_dir: Path) -> dict[str, float]:
     """The numbers a reader quotes from one demo: pass rates, gains in points, the reward model, the critic,
-    the clock (seconds of each part), the CPU seconds and the load average."""
+    the clock (seconds of each part), the CPU seconds, the load average and one core's matmul speed."""
     rates = summary["test_pass_rate"]
     row = {f"test/{name}": 100 * rate for name, rate in rates.items()}
     row |= {f"gain/{name}": 100 * (rate - rates["sft"]) for name, rate in rates.items() if name != "sft"}

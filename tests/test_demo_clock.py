@@ -1,4 +1,4 @@
-"""The demo's own clock (demo.StageClock): wall and CPU seconds per part, parts met twice add up."""
+"""The demo's own clock (demo/clock.py, StageClock): wall and CPU seconds per part, parts met twice add up."""
 
 import time
 
@@ -25,6 +25,9 @@ def test_parts_add_up_and_cpu_counts_work_not_sleep():
 
 
 def test_the_machine_speed_probe_times_one_thread_and_gives_the_threads_back(monkeypatch):
+    import itertools
+
+    import pytest
     import torch
 
     from rlhflab.demo import clock
@@ -32,11 +35,14 @@ def test_the_machine_speed_probe_times_one_thread_and_gives_the_threads_back(mon
     seen = []
     real_mm = torch.mm
     monkeypatch.setattr(torch, "mm", lambda a, b: seen.append(torch.get_num_threads()) or real_mm(a, b))
+    ticks = itertools.count()
+    monkeypatch.setattr(clock.time, "perf_counter", lambda: 0.01 * next(ticks))  # 10 ms between readings
     before = torch.get_num_threads()
     speed = clock.matmul_speed(seconds=0.05)
-    assert torch.get_num_threads() == before and set(seen) == {1} and len(seen) >= 11  # warm-up + one round
+    assert torch.get_num_threads() == before and set(seen) == {1}
+    assert len(seen) == 1 + 40  # warm-up, then rounds of 10 while 0.01 .. 0.04 s had passed; stopped at 0.05
     rows, inner, cols = clock.REFERENCE_SHAPE
-    assert speed >= 2 * rows * inner * cols * (len(seen) - 1) / 1e9 / 10  # the rounds done over at most ~10x the time
+    assert speed == pytest.approx(2 * rows * inner * cols * 40 / 0.05 / 1e9)
 
 
 def test_cpu_spent_in_a_child_process_is_added_to_its_part_and_the_total():

@@ -178,6 +178,29 @@ def test_a_bad_later_stage_value_is_refused_before_sft_naming_the_demo_flag(tmp_
     assert not out.exists()  # nothing trained, nothing written
 
 
+def test_a_given_model_whose_trunk_cannot_grow_is_refused_before_sft(tmp_path, capsys, opt_model_dir):
+    # the demo's reward model grows two layers by default; an OPT model has none of the layouts that can
+    out = tmp_path / "run"
+    assert main(["demo", "--out", str(out), "--model", opt_model_dir]) == 2
+    err = capsys.readouterr().err
+    assert "--rm_extra_layers" in err and "configs/rm_shallow.yaml" in err and opt_model_dir in err
+    assert not out.exists()
+
+
+@pytest.fixture
+def opt_model_dir(tmp_path):
+    """An OPT model with the suite's tokenizer, saved as an HF folder."""
+    from transformers import OPTConfig, OPTForCausalLM
+
+    from rlhflab import models, tasks
+
+    tokenizer = models.build_tokenizer(tasks.template_corpus(), vocab_size=256)
+    opt = OPTForCausalLM(OPTConfig(vocab_size=len(tokenizer), hidden_size=16, num_hidden_layers=1, ffn_dim=32,
+                                   num_attention_heads=2, word_embed_proj_dim=16))
+    models.save_model_folder(tmp_path / "opt", opt, tokenizer)
+    return str(tmp_path / "opt")
+
+
 def test_unknown_stage_suggests_the_closest(capsys):
     assert main(["demoo"]) == 2
     assert "did you mean 'demo'" in capsys.readouterr().err

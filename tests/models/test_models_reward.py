@@ -199,3 +199,22 @@ def test_grow_trunk_refuses_a_model_without_decoder_layers_it_knows():
     assert grow_trunk(bert, 0) is bert  # nothing asked, nothing checked
     with pytest.raises(UserInputError, match="extra_layers"):
         grow_trunk(bert, 1)
+
+
+def test_grow_trunk_refuses_a_gpt2_trunk_that_scales_attention_by_layer_index(suite_tokenizer):
+    gpt2 = build_random_reward_model(suite_tokenizer, arch="gpt2", **TINY)
+    gpt2.config.scale_attn_by_inverse_layer_idx = True
+    with pytest.raises(UserInputError, match="scale_attn_by_inverse_layer_idx"):
+        grow_trunk(gpt2, 1)
+
+
+def test_whether_a_saved_models_trunk_can_grow_is_read_from_its_config(tmp_path, suite_tokenizer):
+    from transformers import OPTConfig, OPTForCausalLM
+
+    from rlhflab.models import can_grow_saved_trunk
+
+    save_model_folder(tmp_path / "llama", build_tiny_model(suite_tokenizer, **TINY), suite_tokenizer)
+    opt = OPTForCausalLM(OPTConfig(vocab_size=len(suite_tokenizer), hidden_size=16, num_hidden_layers=1,
+                                   ffn_dim=32, num_attention_heads=2, word_embed_proj_dim=16))
+    save_model_folder(tmp_path / "opt", opt, suite_tokenizer)
+    assert can_grow_saved_trunk(str(tmp_path / "llama")) and not can_grow_saved_trunk(str(tmp_path / "opt"))

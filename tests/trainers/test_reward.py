@@ -220,7 +220,7 @@ def test_a_gpt2_trunk_grows_and_freezes_as_a_llama_one(tmp_path):
     start = models.load_causal_lm(backbone).transformer
     rm = models.load_reward_model(result.model_dir).transformer
     assert len(rm.h) == len(start.h) + 1 == rm.config.n_layer
-    assert torch.equal(rm.wte.weight, start.wte.weight)  # frozen token embeddings
+    assert torch.equal(rm.wte.weight, start.wte.weight) and torch.equal(rm.wpe.weight, start.wpe.weight)  # frozen
     assert all(torch.equal(a, b) for a, b in zip(rm.h[0].parameters(), start.h[0].parameters()))
     assert rm.h[-1].attn.c_proj.weight.abs().sum() > 0 and rm.h[-1].mlp.c_proj.weight.abs().sum() > 0  # trained
     assert result.summary["pairs"]["train"]["accuracy"] > 0.7  # chance is 0.5

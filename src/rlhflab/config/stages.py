@@ -109,10 +109,11 @@ class RMConfig(ParallelFields, CheckpointFields, RunFields, ModelFields, SuiteFi
              "like them pass; 0 = off")
     extra_layers: int = arg(
         0, "decoder layers appended to the backbone's trunk, each starting as the identity (a copy of the last layer "
-           "with its residual outputs zeroed): a reward model deeper than the policy it judges (Llama / Qwen2 "
-           "layouts); 0 = the backbone as it is")
-    frozen_layers: int = arg(0, "the backbone's token embeddings and first N decoder layers stay as they are (no "
-                                "gradient: the backward pass stops above them); 0 = every weight trains")
+           "with its residual outputs zeroed): a reward model deeper than the policy it judges (Llama, Qwen2, "
+           "GPT-NeoX and GPT-2 layouts); 0 = the backbone as it is")
+    frozen_layers: int = arg(0, "the backbone's embeddings (tokens, and positions where it learns them) and first N "
+                                "decoder layers stay as they are (no gradient: the backward pass stops above them); "
+                                "0 = every weight trains")
     learning_rate: float = arg(3e-4, "peak AdamW learning rate")
     warmup_steps: int = arg(5, "linear warmup steps")
     lr_schedule: Literal["cosine", "linear", "constant"] = arg("linear", "decay after warmup")
@@ -142,7 +143,8 @@ class DemoConfig(SFTConfig):
 
     Fields without a prefix configure the SFT stage (and the suite, decoding and run);
     the PPO stages take PPOConfig's defaults, the `ppo_*` fields below and `ppo_config`;
-    the reward model takes RMConfig's defaults, `rm_epochs` and `rm_config`.
+    the reward model takes RMConfig's defaults where the `rm_*` fields below leave them (those are the demo's
+    own recipe, not RMConfig's), then `rm_config`.
     """
 
     gradient_accumulation_steps: int = arg(1, "SFT: micro-batches per optimiser step (the demo's packed rows of 64 "
@@ -169,7 +171,8 @@ class DemoConfig(SFTConfig):
                                   "at threads 0 "
                                   "(an SFT step of the demo model: 107 ms against 186 at two threads in one process), "
                                   "else 1 (in this process)")
-    rm_config: str = arg("", "YAML of RMConfig fields for the demo's reward model (e.g. configs/rm_tiny.yaml)")
+    rm_config: str = arg("", "YAML of RMConfig fields for the demo's reward model, over the rm_* fields (e.g. "
+                             "configs/rm_shallow.yaml)")
     rm_epochs: int = arg(1, "reward model: passes over the pairs (the demo's recipe: one pass over many fresh "
                             "prompts' pairs; configs/rm_shallow.yaml is the faster 3 passes over 2,400)")
     rm_batch_size: int = arg(64, "reward model: pairs per optimiser step")

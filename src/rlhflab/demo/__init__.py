@@ -277,6 +277,13 @@ def check_later_stages(cfg: DemoConfig) -> None:
                                  "samples none (hard_negatives 0)", "--rm_calibration_coef / --rm_hard_negatives",
                                  "keep --rm_hard_negatives >= 1, or set --rm_calibration_coef 0 (or those fields in "
                                  "--rm_config)")
+        grows = rm.extra_layers > 0 or rm.frozen_layers > 0
+        if cfg.model and grows and not models.can_grow_saved_trunk(cfg.model, cfg.trust_remote_code):
+            raise UserInputError(f"the reward model grows or freezes decoder layers (extra {rm.extra_layers}, frozen "
+                                 f"{rm.frozen_layers}), but {cfg.model} has none of the layouts that can (Llama, "
+                                 "Qwen2, GPT-NeoX, GPT-2)", "--rm_extra_layers / --rm_frozen_layers (or --rm_config)",
+                                 "use --rm_extra_layers 0 --rm_frozen_layers 0, or --rm_config "
+                                 "configs/rm_shallow.yaml (the trunk as it is)")
         depth = None if cfg.model else cfg.num_layers  # the tiny model's; a given model's is checked once loaded
         too_many = depth is not None and rm.frozen_layers > depth + rm.extra_layers
         if rm.extra_layers < 0 or rm.frozen_layers < 0 or too_many:
@@ -293,11 +300,11 @@ def check_later_stages(cfg: DemoConfig) -> None:
 
 
 def run_demo(cfg: DemoConfig) -> RunResult:
+    clock = StageClock()  # before the demo's own clock starts: its speed probe is no part of the demo
     started, started_cpu = time.time(), time.process_time()
     if cfg.resume:
         raise UserInputError("the demo cannot resume as a whole", "--resume",
                              "resume the stage that stopped: rlhflab sft|rm|ppo --resume latest --output_dir RUN/<stage>")
-    clock = StageClock()
     with clock("setup"):
         check_later_stages(cfg)
         run = RunDir(cfg.output_dir or default_run_path("demo"), overwrite=cfg.overwrite, report_to=cfg.report_to)

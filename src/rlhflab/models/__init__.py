@@ -8,7 +8,7 @@ from rlhflab.models.load import count_parameters, disable_dropout, load_causal_l
 from rlhflab.models.lora import adapter_values, adapters_off, add_value_adapter, apply_lora, merged_adapter
 from rlhflab.models.lora import trainable_parameters, use_adapter
 from rlhflab.models.reward import build_random_reward_model, build_reward_model, build_reward_model_from_causal
-from rlhflab.models.reward import freeze_lower_layers, grow_trunk
+from rlhflab.models.reward import can_grow_saved_trunk, can_grow_trunk, freeze_lower_layers, grow_trunk
 from rlhflab.models.reward import can_pack_pairs, is_encoder_reward_model, last_real_index, load_reward_model
 from rlhflab.models.reward import grouped_scores, packed_pair_scores, sequence_scores, special_tokens_frame
 from rlhflab.models.packing import PackedPairs, pack_shared_prefix, packed_length
@@ -26,7 +26,8 @@ __all__ = [
     "adapter_values", "adapters_off", "add_value_adapter", "apply_lora", "build_random_reward_model",
     "build_reward_model", "build_reward_model_from_causal", "build_tiny_model", "build_tokenizer", "can_pack_pairs",
     "can_pack_sequences", "fill_rows", "pack_rows", "pack_sequences", "packed_target_logits",
-    "count_parameters", "disable_dropout", "distinct_prompts", "freeze_lower_layers", "grouped_scores", "grow_trunk",
+    "can_grow_saved_trunk", "can_grow_trunk", "count_parameters", "disable_dropout", "distinct_prompts",
+    "freeze_lower_layers", "grouped_scores", "grow_trunk",
     "is_encoder_reward_model", "last_hidden_state", "lean_hidden",
     "last_real_index", "load_causal_lm", "load_reward_model", "merged_adapter", "pack_groups", "pack_shared_prefix", "packed_length",
     "packed_pair_scores", "load_tokenizer", "plan_lean", "read_columns", "save_model_folder", "sequence_scores", "shared_prompt_logits",

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 from transformers.utils import logging as hf_logging
-from transformers import AutoModelForSequenceClassification, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoModelForSequenceClassification, PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhflab.errors import UserInputError
 from rlhflab.models.lean import lean_hidden, plan_lean
@@ -126,24 +126,39 @@ def build_reward_model(
 build_reward_model_from_causal = build_reward_model  # its name from before encoders were accepted
 
 
-# Decoder layouts whose trunk can grow and freeze: where the layers are on the base model, and each layer's two
+# Decoder layouts whose trunk can grow and freeze: where the layers are on the base model, each layer's two
 # residual outputs (attention, MLP), the projections whose zero makes the layer the identity whatever its residual
-# form (sequential as Llama, or parallel as GPT-NeoX's default).
+# form (sequential as Llama, or parallel as GPT-NeoX's default), and the base model's embeddings (tokens, and
+# positions where they are learned).
 TRUNK_LAYOUTS = (
-    ("layers", ("self_attn.o_proj", "mlp.down_proj")),  # Llama, Qwen2 and their kin
-    ("layers", ("attention.dense", "mlp.dense_4h_to_h")),  # GPT-NeoX (Pythia)
-    ("h", ("attn.c_proj", "mlp.c_proj")),  # GPT-2
+    ("layers", ("self_attn.o_proj", "mlp.down_proj"), ("embed_tokens",)),  # Llama, Qwen2 and their kin
+    ("layers", ("attention.dense", "mlp.dense_4h_to_h"), ("embed_in",)),  # GPT-NeoX (Pythia)
+    ("h", ("attn.c_proj", "mlp.c_proj"), ("wte", "wpe")),  # GPT-2
 )
 
 
-def _decoder_layers(model: PreTrainedModel) -> tuple[nn.ModuleList, tuple[str, str]] | None:
-    """The trunk's decoder layers and their residual outputs' names (TRUNK_LAYOUTS), or None."""
-    for where, outputs in TRUNK_LAYOUTS:
+def _decoder_layers(model: PreTrainedModel) -> tuple[nn.ModuleList, tuple[str, str], tuple[str, ...]] | None:
+    """The trunk's decoder layers, their residual outputs' names and the embeddings' (TRUNK_LAYOUTS), or None."""
+    for where, outputs, embeddings in TRUNK_LAYOUTS:
         layers = getattr(model.base_model, where, None)
         if isinstance(layers, nn.ModuleList) and len(layers) and all(
                 _has_module(layer, name) for layer in layers for name in outputs):
-            return layers, outputs
+            return layers, outputs, tuple(e for e in embeddings if hasattr(model.base_model, e))
     return None
+
+
+def can_grow_trunk(model: PreTrainedModel) -> bool:
+    """Whether `grow_trunk` and `freeze_lower_layers` know this model's layout (TRUNK_LAYOUTS)."""
+    return _decoder_layers(model) is not None
+
+
+def can_grow_saved_trunk(path: str, trust_remote_code: bool = False) -> bool:
+    """`can_grow_trunk` for a saved or hub model, from its config alone: the classifier is built on the meta
+    device (no weights read or allocated), so a stage can refuse a layout before hours of work upstream."""
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, num_labels=1)
+    with torch.device("meta"):
+        model = AutoModelForSequenceClassification.from_config(config, trust_remote_code=trust_remote_code)
+    return can_grow_trunk(model)
 
 
 def _has_module(module: nn.Module, dotted: str) -> bool:
@@ -169,7 +184,11 @@ def grow_trunk(model: PreTrainedModel, extra_layers: int) -> PreTrainedModel:
         raise UserInputError(f"{type(model).__name__} has no decoder layers of a known layout to grow (Llama / "
                              "Qwen2 / GPT-NeoX / GPT-2)", "--extra_layers",
                              "use one of those backbones, or --extra_layers 0")
-    layers, outputs = found
+    layers, outputs, _ = found
+    if getattr(model.config, "scale_attn_by_inverse_layer_idx", False):  # GPT-2: a factor fixed at construction
+        raise UserInputError("a GPT-2 trunk with scale_attn_by_inverse_layer_idx scales each layer's attention by its "
+                             "index when built, so a grown layer would score differently once saved and reloaded",
+                             "--extra_layers", "use --extra_layers 0 with this backbone")
     last = layers[-1]
     for _ in range(extra_layers):
         # the copy shares the model's HF config object (as every layer does), so later changes to it, e.g. the
@@ -194,10 +213,10 @@ def grow_trunk(model: PreTrainedModel, extra_layers: int) -> PreTrainedModel:
 
 
 def freeze_lower_layers(model: PreTrainedModel, layers: int) -> PreTrainedModel:
-    """Keep the token embeddings and the first `layers` decoder layers of the trunk as they are (no
-    gradient, no optimiser state): with a grown trunk (`grow_trunk`) the backbone's own layers can stay
-    the policy's features while the new layers and the score head learn, and the backward pass stops
-    above the frozen layers."""
+    """Keep the embeddings (tokens, and positions where learned) and the first `layers` decoder layers of the
+    trunk as they are (no gradient, no optimiser state): with a grown trunk (`grow_trunk`) the backbone's own
+    layers can stay the policy's features while the new layers and the score head learn, and the backward pass
+    stops above the frozen layers."""
     if layers <= 0:
         return model
     found = _decoder_layers(model)
@@ -205,11 +224,11 @@ def freeze_lower_layers(model: PreTrainedModel, layers: int) -> PreTrainedModel:
         raise UserInputError(f"--frozen_layers needs a trunk of decoder layers of a known layout (Llama / Qwen2 / "
                              f"GPT-NeoX / GPT-2); {type(model).__name__} has none", "--frozen_layers",
                              "use one of those backbones, or --frozen_layers 0")
-    blocks = found[0]
+    blocks, _, embeddings = found
     if layers > len(blocks):
         raise UserInputError(f"cannot freeze {layers} decoder layers: the trunk has {len(blocks)}", "--frozen_layers",
                              f"use at most {len(blocks)} (the backbone's layers plus --extra_layers), or 0")
-    for module in (model.get_input_embeddings(), *blocks[:layers]):
+    for module in (*(getattr(model.base_model, e) for e in embeddings), *blocks[:layers]):
         module.requires_grad_(False)
     return model
 
