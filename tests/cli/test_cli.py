@@ -187,6 +187,14 @@ def test_a_given_model_whose_trunk_cannot_grow_is_refused_before_sft(tmp_path, c
     assert not out.exists()
 
 
+def test_a_given_model_without_a_config_is_refused_before_sft_naming_it(tmp_path, capsys):
+    out, missing = tmp_path / "run", str(tmp_path / "no-such-model")
+    assert main(["demo", "--out", str(out), "--model", missing]) == 2
+    err = capsys.readouterr().err
+    assert "--model" in err and missing in err
+    assert not out.exists()
+
+
 @pytest.fixture
 def opt_model_dir(tmp_path):
     """An OPT model with the suite's tokenizer, saved as an HF folder."""

@@ -255,6 +255,15 @@ def rl_stages(cfg: DemoConfig, run: RunDir, sft_dir: str, clock: StageClock, rm_
     return out
 
 
+def saved_trunk_can_grow(cfg: DemoConfig) -> bool:
+    """models.can_grow_saved_trunk for the demo's --model, a config that cannot be read named as such."""
+    try:
+        return models.can_grow_saved_trunk(cfg.model, cfg.trust_remote_code)
+    except (OSError, ValueError) as err:
+        raise UserInputError(f"cannot read the configuration of {cfg.model}: {err}", "--model",
+                             "pass a model folder (config.json inside) or a hub id") from err
+
+
 def check_later_stages(cfg: DemoConfig) -> None:
     """Build the PPO and RM stage configs and the monitor now, so a bad YAML or field fails before SFT runs."""
     if cfg.stage_processes < 0:
@@ -278,7 +287,7 @@ def check_later_stages(cfg: DemoConfig) -> None:
                                  "keep --rm_hard_negatives >= 1, or set --rm_calibration_coef 0 (or those fields in "
                                  "--rm_config)")
         grows = rm.extra_layers > 0 or rm.frozen_layers > 0
-        if cfg.model and grows and not models.can_grow_saved_trunk(cfg.model, cfg.trust_remote_code):
+        if cfg.model and grows and not saved_trunk_can_grow(cfg):
             raise UserInputError(f"the reward model grows or freezes decoder layers (extra {rm.extra_layers}, frozen "
                                  f"{rm.frozen_layers}), but {cfg.model} has none of the layouts that can (Llama, "
                                  "Qwen2, GPT-NeoX, GPT-2)", "--rm_extra_layers / --rm_frozen_layers (or --rm_config)",
