@@ -67,3 +67,10 @@ def test_report_never_imports_torch():
     for path in (PACKAGE / "report").rglob("*.py"):
         text = path.read_text()
         assert "import torch" not in text and "from torch" not in text, path
+
+
+def test_trainers_read_the_suite_through_sources_only():
+    """DESIGN.md "Prompt sources": the suite is one source among user files; a generic trainer never imports
+    `tasks` (its demonstrations, pairs and checker come through `sources` and `rewards`)."""
+    bad = [str(p.relative_to(PACKAGE)) for p in (PACKAGE / "trainers").rglob("*.py") if "tasks" in rlhflab_imports(p)]
+    assert not bad, f"trainers importing rlhflab.tasks: {bad}"

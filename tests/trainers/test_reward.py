@@ -7,7 +7,7 @@ import pytest
 from tinyhf import save_suite_model
 import torch
 
-from rlhflab import models, parallel, tasks
+from rlhflab import models, parallel, sources, tasks
 from rlhflab.config import RMConfig
 from rlhflab.errors import UserInputError
 from rlhflab.trainers import reward
@@ -121,9 +121,9 @@ def test_prompt_major_order_keeps_a_prompts_rows_together_in_order_of_first_sigh
 
 def test_always_kinds_shape_the_training_pairs_only(backbone_dir, tmp_path):
     cfg = tiny_rm_cfg(backbone_dir, tmp_path, pair_kinds="", pairs_per_prompt=2)
-    splits = reward.pair_prompt_sets(cfg)
-    plain = reward.suite_pairs(cfg, splits)
-    shaped = reward.suite_pairs(dataclasses.replace(cfg, pair_kinds_always="wrong_content"), splits)
+    splits = sources.pair_prompt_sets(cfg)
+    plain = sources.suite_pairs(cfg, splits)
+    shaped = sources.suite_pairs(dataclasses.replace(cfg, pair_kinds_always="wrong_content"), splits)
     assert shaped["test"] == plain["test"] and shaped["validation"] == plain["validation"]  # comparable accuracies
     content = lambda pairs: sum(p.violation == "wrong_content" for p in pairs)  # noqa: E731
     assert content(shaped["train"]) > content(plain["train"])
@@ -162,8 +162,8 @@ def test_near_misses_join_the_training_pairs_only_and_are_refused_for_a_users_pa
     plain = reward.load_pairs(dataclasses.replace(cfg, near_misses=0), models.load_tokenizer(backbone_dir))
     added = len(pairs["train"]) - len(plain["train"])
     assert 0 < added <= 2 * cfg.num_train_prompts
-    assert sum(p.violation == reward.NEAR_MISS for p in pairs["train"]) == added
-    assert not any(p.violation == reward.NEAR_MISS for split in ("validation", "test") for p in pairs[split])
+    assert sum(p.violation == sources.NEAR_MISS for p in pairs["train"]) == added
+    assert not any(p.violation == sources.NEAR_MISS for split in ("validation", "test") for p in pairs[split])
     with pytest.raises(UserInputError, match="near misses"):
         reward.load_pairs(tiny_rm_cfg(backbone_dir, tmp_path, near_misses=1, train_file="x.jsonl"), None)
 

@@ -17,7 +17,7 @@ from rlhflab.data.prompt_rows import PromptRow
 from rlhflab.errors import UserInputError
 from rlhflab.sources import PromptSplits
 from rlhflab.trainers.online.setup import build_verifier
-from rlhflab.trainers.reward import hard_negative_pairs, near_miss_pairs, pair_prompt_sets, suite_pairs
+from rlhflab.trainers.reward import hard_negative_pairs
 
 log = logging.getLogger("rlhflab")
 MIN_HELD_OUT = 8  # fewer held-out prompts than this tell nothing
@@ -57,10 +57,10 @@ def suite_pair_examples(cfg: DPOConfig, tokenizer, world: parallel.World | None 
                         ) -> tuple[dict[str, list[data.PairExample]], PromptSplits]:
     """The suite's train and validation pairs, built as the reward model's are (trainers/reward.py); the hard
     negatives' answers sampled once over the processes of `world` (each samples its share)."""
-    splits = pair_prompt_sets(cfg)
-    pairs = suite_pairs(cfg, {"train": splits["train"], "validation": splits["validation"]})
+    splits = sources.pair_prompt_sets(cfg)
+    pairs = sources.suite_pairs(cfg, {"train": splits["train"], "validation": splits["validation"]})
     if cfg.near_misses:  # training pairs only: held-out metrics stay comparable
-        pairs["train"] += near_miss_pairs(cfg, splits["train"])
+        pairs["train"] += sources.near_miss_pairs(cfg, splits["train"])
     if cfg.hard_negatives:  # the starting policy's own failing answers against the reference
         pairs["train"] += hard_negative_pairs(cfg, tokenizer, splits["train"], world)
     prompts = PromptSplits(sources.suite_prompts(splits["train"], "train"),

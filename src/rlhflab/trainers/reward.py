@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from rlhflab import data, models, parallel, tasks
+from rlhflab import data, models, parallel, rewards, sources
 from rlhflab.rewards.model import encoder_rows
 from rlhflab.checkpoint import open_run
 from rlhflab.config import RMConfig
@@ -76,44 +76,6 @@ def tokenize_pairs(pairs: list[data.PairExample], tokenizer, max_length: int,
                           prompt_tokens=len(c.prompt_ids)) for p, c, r in zip(pairs, seqs[0::2], seqs[1::2])]
 
 
-def pair_prompt_sets(cfg: RMConfig) -> dict[str, list[tasks.TaskItem]]:
-    """The prompts pairs are built on: the fixed splits, or fresh train-pool prompts for training.
-
-    Fresh prompts (`pair_prompts`) show the reward model far more content than the fixed
-    train prompts do, as the SFT demonstrations do for the policy; held-out splits stay fixed.
-    """
-    splits = tasks.build_splits(cfg.split_seed, cfg.num_train_prompts, cfg.num_validation_prompts, cfg.num_test_prompts)
-    if cfg.pair_prompts:
-        splits["train"] = tasks.sample_items("train", cfg.pair_prompts, seed=cfg.seed, split_seed=cfg.split_seed)
-    return splits
-
-
-def suite_pairs(cfg: RMConfig, splits: dict[str, list[tasks.TaskItem]]) -> dict[str, list[data.PairExample]]:
-    """Built-in pairs for each split; `pair_kinds` restricts the rejected answers' violations.
-
-    `pair_kinds_always` shapes the training pairs only, so held-out accuracies stay comparable
-    between reward models trained on different mixes.
-    """
-    kinds = [k.strip() for k in cfg.pair_kinds.split(",") if k.strip()] or None
-    always = [k.strip() for k in cfg.pair_kinds_always.split(",") if k.strip()]
-    out = {}
-    for split, items in splits.items():
-        rows = tasks.pair_rows(items, kinds, cfg.pairs_per_prompt, seed=cfg.seed,
-                               always=always if split == "train" else ())  # held-out pairs keep the usual mix
-        out[split] = [data.PairExample(r["prompt"], r["chosen"], r["rejected"], r["family"], r["violation"]) for r in rows]
-    return out
-
-
-NEAR_MISS = "near_miss"  # the violation label of a near miss: the reference with one copied letter changed
-
-
-def near_miss_pairs(cfg: RMConfig, items: list[tasks.TaskItem]) -> list[data.PairExample]:
-    """`cfg.near_misses` near-miss rejected answers per item against the reference (training pairs only)."""
-    rng = random.Random(f"rlhflab.rm.near_miss:{cfg.seed}")
-    return [data.PairExample(item.prompt, item.reference, answer, item.family, NEAR_MISS)
-            for item in items for answer in tasks.near_misses(item, cfg.near_misses, rng)]
-
-
 HARD_NEGATIVE = "policy_answer"  # the violation label of a hard negative: the policy's own failing answer
 SAMPLED = "policy_samples"  # a calibration row: two of the policy's own answers to one prompt, each checked
 # rows of the policy's own sampled answers: shuffled one by one even with prompt_rows_together (side by side, the
@@ -125,7 +87,7 @@ POLICY_ROWS = (HARD_NEGATIVE, SAMPLED)
 class PolicyAnswers:
     """`cfg.hard_negatives` answers sampled from the policy per prompt, checked (prompt-major order)."""
 
-    items: list[tasks.TaskItem]  # one per answer
+    items: list[sources.SuiteItem]  # one per answer
     texts: list[str]
     passed: list[bool]
 
@@ -140,7 +102,7 @@ def answer_batch_seed(seed: int, stream: str, batch: int) -> int:
     return stream_seed("rlhflab-rm-answers", seed, stream, batch)
 
 
-def sample_policy_answers(cfg, tokenizer, items: list[tasks.TaskItem], stream: str = "train",
+def sample_policy_answers(cfg, tokenizer, items: list[sources.SuiteItem], stream: str = "train",
                           world: parallel.World | None = None) -> PolicyAnswers:
     """`cfg.hard_negatives` answers per prompt sampled from the policy (`cfg.model`) and checked. Batch i of
     ANSWER_BATCH answers draws from its own generator (`answer_batch_seed`), so an answer does not depend on
@@ -150,22 +112,24 @@ def sample_policy_answers(cfg, tokenizer, items: list[tasks.TaskItem], stream: s
     policy = models.load_causal_lm(cfg.model, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code,
                                    device=resolve_device(cfg.device) if not world.distributed else world.device)
     settings = GenerationSettings(HARD_NEGATIVE_TOKENS, True, 1.0)
+    checker = rewards.CheckerVerifier()
     repeated = [item for item in items for _ in range(cfg.hard_negatives)]
     batches = [repeated[s : s + ANSWER_BATCH] for s in range(0, len(repeated), ANSWER_BATCH)]
     mine = {}  # batch index -> [(text, passed)] of the batches this process samples
     for b in tqdm(range(world.rank, len(batches), world.world_size), desc=f"sampling {stream} answers",
                   unit="batch", disable=not (cfg.progress and world.is_main)):
         generator = torch.Generator().manual_seed(answer_batch_seed(cfg.seed, stream, b))
-        answers = generate_answers(policy, tokenizer, [i.prompt for i in batches[b]], settings,
-                                   batch_size=ANSWER_BATCH, generator=generator)
-        mine[b] = [(a.text, tasks.check(item, a.text, a.ended_with_eos).passed)
-                   for item, a in zip(batches[b], answers)]
+        prompts = [i.prompt for i in batches[b]]
+        answers = generate_answers(policy, tokenizer, prompts, settings, batch_size=ANSWER_BATCH, generator=generator)
+        texts = [a.text for a in answers]
+        checks = checker(prompts, texts, batches[b], [a.ended_with_eos for a in answers])
+        mine[b] = [(text, c.passed) for text, c in zip(texts, checks)]
     every = {b: rows for part in parallel.gather_objects(mine, world) for b, rows in part.items()}
     rows = [row for b in range(len(batches)) for row in every[b]]
     return PolicyAnswers(repeated, [text for text, _ in rows], [passed for _, passed in rows])
 
 
-def hard_negative_pairs(cfg, tokenizer, items: list[tasks.TaskItem],
+def hard_negative_pairs(cfg, tokenizer, items: list[sources.SuiteItem],
                         world: parallel.World | None = None) -> list[data.PairExample]:
     """Sample `cfg.hard_negatives` answers per prompt from the policy; distinct failing ones vs the reference."""
     return failing_answer_pairs(sample_policy_answers(cfg, tokenizer, items, "train", world))
@@ -207,10 +171,10 @@ def load_pairs(cfg: RMConfig, tokenizer, encoder: bool = False,
     if cfg.near_misses and cfg.train_file:
         raise UserInputError("near misses are built from the built-in suite's items", "--near_misses",
                              "drop --near_misses, or add near-miss rejected answers to your pairs file")
-    splits = pair_prompt_sets(cfg)
-    pairs = suite_pairs(cfg, splits)
+    splits = sources.pair_prompt_sets(cfg)
+    pairs = sources.suite_pairs(cfg, splits)
     if cfg.near_misses:  # training pairs only, like pair_kinds_always: held-out accuracies stay comparable
-        pairs["train"] += near_miss_pairs(cfg, splits["train"])
+        pairs["train"] += sources.near_miss_pairs(cfg, splits["train"])
     calibration, labels = [], []
     if cfg.hard_negatives:
         for split, items in splits.items():

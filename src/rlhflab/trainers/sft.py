@@ -27,9 +27,10 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from rlhflab import data, models, parallel, rewards, sources, tasks
+from rlhflab import data, models, parallel, rewards, sources
 from rlhflab.checkpoint import open_run
 from rlhflab.config import SFTConfig
+from rlhflab.data.prompt_rows import PromptRow
 from rlhflab.errors import UserInputError
 from rlhflab.tracking import RunDir, RunResult
 from rlhflab.trainers.nonfinite import clip_and_step, guarded_step
@@ -50,11 +51,7 @@ log = logging.getLogger("rlhflab")
 class SFTData:
     train: list[data.TokenizedSFT]
     validation: list[data.TokenizedSFT]
-    validation_items: list[tasks.TaskItem]  # prompts with a checker, for the pass rate
-
-
-def suite_examples(rows: list[dict]) -> list[data.SFTExample]:
-    return [data.SFTExample(r["prompt"], r["completion"], r["family"], r["violation"]) for r in rows]
+    validation_rows: list[PromptRow]  # prompts the suite's checker verifies, for the pass rate (suite only)
 
 
 def load_sft_data(cfg: SFTConfig, tokenizer) -> SFTData:
@@ -63,7 +60,7 @@ def load_sft_data(cfg: SFTConfig, tokenizer) -> SFTData:
     load = lambda path, split: data.load_examples(  # noqa: E731
         path, "sft", tokenizer=tokenizer, max_prompt_tokens=cfg.max_prompt_tokens, strict=cfg.strict,
         split=split, config=cfg.dataset_config)
-    validation_items: list[tasks.TaskItem] = []
+    validation_rows: list[PromptRow] = []
     if cfg.train_file:
         train = load(cfg.train_file, cfg.dataset_split)
         if cfg.validation_file:
@@ -71,20 +68,15 @@ def load_sft_data(cfg: SFTConfig, tokenizer) -> SFTData:
         else:
             train, validation = held_out_examples(train, cfg.seed)
     else:
-        items = tasks.sample_items("train", cfg.sft_examples, seed=cfg.seed, split_seed=cfg.split_seed)
-        rows = tasks.sft_rows(items, cfg.violation_fraction, cfg.dominant_share, seed=cfg.seed)
-        train = suite_examples(rows)
-        splits = tasks.build_splits(cfg.split_seed, cfg.num_train_prompts, cfg.num_validation_prompts,
-                                    cfg.num_test_prompts)
+        train = sources.sft_demonstrations(cfg)
         if cfg.validation_file:
             validation = load(cfg.validation_file, None)
         else:
-            validation_items = splits["validation"]
-            validation = [data.SFTExample(i.prompt, i.reference, i.family, "none") for i in validation_items]
+            validation, validation_rows = sources.validation_references(cfg)
     return SFTData(
         train=data.tokenize_sft(train, tokenizer, cfg.max_length),
         validation=data.tokenize_sft(validation, tokenizer, cfg.max_length),
-        validation_items=validation_items[: cfg.eval_prompts],
+        validation_rows=validation_rows[: cfg.eval_prompts],
     )
 
 
@@ -197,9 +189,9 @@ def evaluate_now(wrapped: parallel.Wrapped, tokenizer, sft_data: SFTData, cfg, s
 def held_out_metrics(model, tokenizer, sft_data: SFTData, cfg, step: int, run: RunDir) -> dict:
     metrics = {"val/loss": validation_loss(model, sft_data.validation, tokenizer.pad_token_id)} \
         if sft_data.validation else {}
-    if sft_data.validation_items:
-        rows = sources.suite_prompts(sft_data.validation_items, "validation")
-        table = validate_pass_rate(model, tokenizer, rows, rewards.CheckerVerifier(), cfg, step, run)
+    if sft_data.validation_rows:
+        table = validate_pass_rate(model, tokenizer, sft_data.validation_rows, rewards.CheckerVerifier(), cfg, step,
+                                   run)
         metrics["val/pass_rate"] = table["overall"]
     if metrics:
         run.log(metrics, step=step)
