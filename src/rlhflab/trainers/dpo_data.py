@@ -55,7 +55,7 @@ def tokenize_preferences(pairs: list[data.PairExample], tokenizer, max_length: i
 
 def suite_pair_examples(cfg: DPOConfig, tokenizer, world: parallel.World | None = None
                         ) -> tuple[dict[str, list[data.PairExample]], PromptSplits]:
-    """The suite's train and validation pairs, built as the reward model's are (trainers/reward.py); the hard
+    """The suite's train and validation pairs, built as the reward model's are (sources.suite_data); the hard
     negatives' answers sampled once over the processes of `world` (each samples its share)."""
     splits = sources.pair_prompt_sets(cfg)
     pairs = sources.suite_pairs(cfg, {"train": splits["train"], "validation": splits["validation"]})
