@@ -34,6 +34,11 @@ class PromptSplits:
         return self.source == SUITE
 
 
+def suite_splits(cfg) -> dict[str, list[tasks.TaskItem]]:
+    """The suite's fixed train / validation / test prompts for `cfg`'s split seed and sizes."""
+    return tasks.build_splits(cfg.split_seed, cfg.num_train_prompts, cfg.num_validation_prompts, cfg.num_test_prompts)
+
+
 def suite_prompts(items: list[tasks.TaskItem], split: str) -> list[PromptRow]:
     """Suite items as prompt rows: the columns the checker needs."""
     return [PromptRow(i.prompt, {"family": i.family, "reference": i.reference, "content": list(i.content)},
@@ -64,8 +69,7 @@ def prompt_splits(cfg, tokenizer) -> PromptSplits:
         if cfg.validation_file:
             raise UserInputError("--validation_file without --train_file", "--validation_file",
                                  "pass --train_file too (the built-in suite has its own validation split)")
-        splits = tasks.build_splits(cfg.split_seed, cfg.num_train_prompts, cfg.num_validation_prompts,
-                                    cfg.num_test_prompts)
+        splits = suite_splits(cfg)
         return PromptSplits(suite_prompts(splits["train"], "train"), suite_prompts(splits["validation"], "validation"),
                             SUITE)
     train = load(cfg.train_file, cfg.dataset_split or None)

@@ -11,7 +11,7 @@ import random
 
 from rlhflab import data, tasks
 from rlhflab.data.prompt_rows import PromptRow
-from rlhflab.sources.prompts import suite_prompts
+from rlhflab.sources.prompts import suite_prompts, suite_splits
 
 SuiteItem = tasks.TaskItem  # a suite prompt with its family, content and reference answer
 NEAR_MISS = "near_miss"  # the violation label of a near miss: the reference with one copied letter changed
@@ -28,8 +28,7 @@ def sft_demonstrations(cfg) -> list[data.SFTExample]:
 def validation_references(cfg) -> tuple[list[data.SFTExample], list[PromptRow]]:
     """The validation split as reference answers (for a validation loss) and as prompt rows the suite's
     checker can verify (for a pass rate)."""
-    items = tasks.build_splits(cfg.split_seed, cfg.num_train_prompts, cfg.num_validation_prompts,
-                               cfg.num_test_prompts)["validation"]
+    items = suite_splits(cfg)["validation"]
     references = [data.SFTExample(i.prompt, i.reference, i.family, "none") for i in items]
     return references, suite_prompts(items, "validation")
 
@@ -40,7 +39,7 @@ def pair_prompt_sets(cfg) -> dict[str, list[SuiteItem]]:
     Fresh prompts (`pair_prompts`) show the reward model far more content than the fixed
     train prompts do, as the SFT demonstrations do for the policy; held-out splits stay fixed.
     """
-    splits = tasks.build_splits(cfg.split_seed, cfg.num_train_prompts, cfg.num_validation_prompts, cfg.num_test_prompts)
+    splits = suite_splits(cfg)
     if cfg.pair_prompts:
         splits["train"] = tasks.sample_items("train", cfg.pair_prompts, seed=cfg.seed, split_seed=cfg.split_seed)
     return splits
