@@ -89,10 +89,6 @@ TRL_NAMES: dict[str, Counterpart] = {
     "attn_implementation": _none("Llama / Qwen2 layouts run rlhflab's lean forward, others their own"),
     "model_revision": _none("pass a local folder or the hub id of the revision you want"),
     # TrainingArguments
-    "bf16": _computed("dtype", note="it is mixed precision over float32 weights; rlhflab has no autocast: "
-                                    "--dtype bfloat16 keeps frozen weights (a LoRA base, the reference, the reward model) in bf16; whole weights that train are cast to float32"),
-    "fp16": _computed("dtype", note="it is mixed precision over float32 weights; rlhflab has no autocast: "
-                                    "--dtype float16 keeps frozen weights in fp16; whole weights that train are cast to float32"),
     "num_train_epochs": _computed("num_epochs", "total_episodes", "max_steps",
                                   note="rm: --num_epochs; ppo: --total_episodes = epochs x prompts (what TRL's PPO "
                                        "derives when total_episodes is unset); sft: --max_steps optimiser steps"),
@@ -107,7 +103,5 @@ TRL_NAMES: dict[str, Counterpart] = {
     "save_steps": _to("save_every"),
     "save_total_limit": _to("keep_last_n"),
     "resume_from_checkpoint": _to("resume", note="'latest' or a RUN/checkpoints/step-N folder"),
-    "gradient_checkpointing": _none("not implemented; save memory with --gradient_accumulation_steps or LoRA "
-                                    "(--lora_r)"),
     "push_to_hub": _none("upload the run's model/ folder with huggingface_hub"),
 }

@@ -125,6 +125,22 @@ class OptimFields:
 
 
 @dataclass(frozen=True)
+class PrecisionFields:
+    """Mixed precision and activation memory of the models a stage trains and runs (rlhflab.models.precision,
+    rlhflab.models.checkpointing; README "Real-size models")."""
+
+    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = arg(
+        "auto", "forward passes under torch.autocast over float32 master weights and optimiser states: bf16, fp16 "
+                "(with a gradient scaler: steps with inf / NaN gradients skipped and counted), no (float32); auto = "
+                "bf16 on a CUDA device that has it, no on a CPU. --dtype still sets how weights are stored")
+    bf16: bool = arg(False, "TRL's name for --mixed_precision bf16")
+    fp16: bool = arg(False, "TRL's name for --mixed_precision fp16")
+    gradient_checkpointing: bool = arg(
+        False, "recompute each decoder layer's activations in the backward instead of keeping them (policy, value "
+               "model and reward model; use_reentrant=False): less activation memory for about one more forward")
+
+
+@dataclass(frozen=True)
 class GenerationFields:
     max_new_tokens: int = arg(32, "response-length cap in tokens")
     do_sample: bool = arg(False, "sample (True) or greedy decoding (False) in evaluation")

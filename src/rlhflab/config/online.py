@@ -6,14 +6,14 @@ from dataclasses import dataclass
 from typing import Literal
 
 from rlhflab.config.fields import (CheckpointFields, GenerationBackendFields, GenerationFields, LoraFields, ModelFields,
-                                   MonitorFields, OptimFields, ParallelFields, PromptFileFields, RewardFunctionFields,
-                                   RunFields, SuiteFields, arg)
+                                   MonitorFields, OptimFields, ParallelFields, PrecisionFields, PromptFileFields,
+                                   RewardFunctionFields, RunFields, SuiteFields, arg)
 
 
 @dataclass(frozen=True)
 class OnlineFields(ParallelFields, MonitorFields, CheckpointFields, RunFields, ModelFields, SuiteFields,
-                   PromptFileFields, RewardFunctionFields, LoraFields, OptimFields, GenerationBackendFields,
-                   GenerationFields):
+                   PromptFileFields, RewardFunctionFields, LoraFields, OptimFields, PrecisionFields,
+                   GenerationBackendFields, GenerationFields):
     """What every online method (PPO, GRPO, RLOO, REINFORCE, online DPO) shares: the roles, the reward,
     the rollout cycle, evaluation during the run (trainers/online/loop.py)."""
 

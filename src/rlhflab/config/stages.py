@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 from rlhflab.config.fields import (CheckpointFields, DataFields, GenerationBackendFields, GenerationFields, LoadFields,
-                                   LoraFields, ModelFields, OptimFields, ParallelFields, PromptFileFields,
-                                   RewardFunctionFields, RunFields, SuiteFields, TinyModelFields, arg)
+                                   LoraFields, ModelFields, OptimFields, ParallelFields, PrecisionFields,
+                                   PromptFileFields, RewardFunctionFields, RunFields, SuiteFields, TinyModelFields, arg)
 from rlhflab.config.online import (GRPOConfig, OnlineDPOConfig, PPOConfig, REINFORCEConfig, RLOOConfig)
 
 # `rlhflab compare --methods`: the trainers it can run, in the order they are reported
@@ -21,7 +21,7 @@ COMPARE_METHODS = ("ppo", "grpo", "rloo", "reinforce", "dpo", "online-dpo")
 
 @dataclass(frozen=True)
 class SFTConfig(ParallelFields, CheckpointFields, RunFields, ModelFields, TinyModelFields, SuiteFields, DataFields,
-                OptimFields, GenerationFields):
+                OptimFields, PrecisionFields, GenerationFields):
     """`rlhflab sft`: supervised fine-tuning on prompt/completion demonstrations."""
 
     max_steps: int = arg(1000, "optimiser steps (the tiny model learns to copy unseen words only after ~600)")
@@ -69,7 +69,8 @@ class TasksExportConfig(RunFields, SuiteFields):
 
 
 @dataclass(frozen=True)
-class RMConfig(ParallelFields, CheckpointFields, RunFields, ModelFields, SuiteFields, DataFields, OptimFields):
+class RMConfig(ParallelFields, CheckpointFields, RunFields, ModelFields, SuiteFields, DataFields, OptimFields,
+               PrecisionFields):
     """`rlhflab rm`: a scalar reward model trained on preference pairs with Bradley-Terry."""
 
     pair_kinds: str = arg("", "built-in suite: violation kinds of the rejected answers (comma-separated); empty = all")
@@ -204,7 +205,7 @@ class DemoConfig(SFTConfig):
 
 @dataclass(frozen=True)
 class DPOConfig(ParallelFields, CheckpointFields, RunFields, ModelFields, SuiteFields, DataFields, OptimFields,
-                LoraFields, GenerationFields):
+                PrecisionFields, LoraFields, GenerationFields):
     """`rlhflab dpo`: direct preference optimisation on (prompt, chosen, rejected) pairs: DPO, IPO or SimPO."""
 
     reference: str = arg("", "reference model folder; empty = the policy's starting weights (its log-probs are "
