@@ -3,6 +3,7 @@
 Imports torch, transformers, peft, tokenizers, safetensors and `rlhflab.errors` only.
 """
 
+from rlhflab.models.checkpointing import checkpointing_on, enable_gradient_checkpointing
 from rlhflab.models.lean import lean_hidden, plan_lean, read_columns
 from rlhflab.models.load import count_parameters, disable_dropout, load_causal_lm, load_tokenizer
 from rlhflab.models.lora import adapter_values, adapters_off, add_value_adapter, apply_lora, merged_adapter
@@ -26,8 +27,8 @@ __all__ = [
     "adapter_values", "adapters_off", "add_value_adapter", "apply_lora", "build_random_reward_model",
     "build_reward_model", "build_reward_model_from_causal", "build_tiny_model", "build_tokenizer", "can_pack_pairs",
     "can_pack_sequences", "fill_rows", "pack_rows", "pack_sequences", "packed_target_logits",
-    "can_grow_saved_trunk", "can_grow_trunk", "count_parameters", "disable_dropout", "distinct_prompts",
-    "freeze_lower_layers", "grouped_scores", "grow_trunk",
+    "can_grow_saved_trunk", "can_grow_trunk", "checkpointing_on", "count_parameters", "disable_dropout", "distinct_prompts",
+    "enable_gradient_checkpointing", "freeze_lower_layers", "grouped_scores", "grow_trunk",
     "is_encoder_reward_model", "last_hidden_state", "lean_hidden",
     "last_real_index", "load_causal_lm", "load_reward_model", "merged_adapter", "pack_groups", "pack_shared_prefix", "packed_length",
     "packed_pair_scores", "load_tokenizer", "plan_lean", "read_columns", "save_model_folder", "sequence_scores", "shared_prompt_logits",

@@ -18,6 +18,8 @@ callers keep the model's own forward). A plain peft
 LoRA Linear runs as base(x) + scale * B(A(x)) on its own tensors, with peft's casts (x to the
 adapter's dtype, the sum back to the base's); any other kind of layer is called as a module, so
 adapters are never skipped.
+A model whose layers checkpoint (models/checkpointing.py) keeps the lean path: in training mode with grad on,
+each lean layer is recomputed in the backward too, where HF's own layers would be.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 LEAN_MODEL_TYPES = ("llama", "qwen2")
 _LAYER_CHILDREN = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
@@ -122,6 +125,9 @@ class LeanPlan:
     # the embedding's padding row (nn.Embedding padding_idx): looking it up gives it no gradient, as in the
     # model's own forward (a sampled pad token is an ordinary input, but its row must not learn from it)
     padding_idx: int | None = None
+    # the model's decoder layers checkpoint (models/checkpointing.py) and it is in training mode: `lean_hidden`
+    # recomputes each layer in the backward when grad is on, as HF's layers do
+    checkpoint: bool = False
 
 
 def rope_kind(config) -> str:
@@ -170,7 +176,7 @@ def plan_lean(model: nn.Module, allow_training: bool = False) -> LeanPlan | None
     config = getattr(base, "config", None)
     if inner is None or config is None or not _qualifies(config, inner):
         return None
-    if getattr(inner, "rotary_emb", None) is None or getattr(inner, "gradient_checkpointing", False):
+    if getattr(inner, "rotary_emb", None) is None:
         return None
     if base.training and not (allow_training and _dropout_free(model)):
         return None
@@ -183,8 +189,10 @@ def plan_lean(model: nn.Module, allow_training: bool = False) -> LeanPlan | None
     ]
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     lm_head = _linear(base.lm_head) if isinstance(getattr(base, "lm_head", None), nn.Module) else None
+    checkpointed = base.training and any(getattr(layer, "gradient_checkpointing", False) for layer in inner.layers)
     return LeanPlan(inner.embed_tokens.weight, layers, _norm(inner.norm), lm_head, inner.rotary_emb,
-                    config.num_attention_heads, config.num_key_value_heads, head_dim, inner.embed_tokens.padding_idx)
+                    config.num_attention_heads, config.num_key_value_heads, head_dim, inner.embed_tokens.padding_idx,
+                    checkpointed)
 
 
 def plan_lean_decode(model: nn.Module) -> LeanPlan | None:
@@ -241,31 +249,47 @@ def lean_hidden(plan: LeanPlan, input_ids: Tensor, attention_mask: Tensor | None
     only (`read_columns`). The same numbers: a later position depends on an earlier one only through
     the earlier one's keys and values, which every position still computes.
     `kv_keep`: each layer's rotated keys and values (B, H_kv, L, D) are appended to it (models/prompt_pass.py).
+    `plan.checkpoint` and grad on: each layer runs under a non-reentrant checkpoint (its input kept, its
+    activations recomputed in the backward; models/checkpointing.py); the same numbers.
     """
     if attention_mask is None and allowed is None:
         raise ValueError("lean_hidden needs an attention_mask or an explicit allowed mask")
-    batch, length = input_ids.shape
-    heads, kv_heads, dim = plan.num_heads, plan.num_kv_heads, plan.head_dim
     allowed = (causal_allowed(attention_mask) if allowed is None else allowed).unsqueeze(1)  # (B, 1, L, L)
     allowed = attention_bias(allowed, plan.embed.dtype)
     cos, sin = rotary_tables(plan, position_ids)
     h = F.embedding(input_ids, plan.embed, padding_idx=plan.padding_idx)
+    checkpointed = plan.checkpoint and torch.is_grad_enabled()
     last = len(plan.layers) - 1
     for i, layer in enumerate(plan.layers):
-        x = layer.input_norm(h)
-        k = _rope(layer.k(x).view(batch, length, kv_heads, dim).transpose(1, 2), cos, sin)
-        v = layer.v(x).view(batch, length, kv_heads, dim).transpose(1, 2)
+        at = read if i == last else None
+        if checkpointed:
+            # the lean ops draw no random numbers (no dropout in training: plan_lean), so no RNG state is kept
+            h, k, v = checkpoint(_decoder_layer, plan, layer, h, allowed, cos, sin, at, use_reentrant=False,
+                                 preserve_rng_state=False)
+        else:
+            h, k, v = _decoder_layer(plan, layer, h, allowed, cos, sin, at)
         if kv_keep is not None:
             kv_keep.append((k, v))
-        if read is not None and i == last:
-            return plan.norm(_layer_at(plan, layer, h, x, k, v, allowed, cos, sin, read))
-        q = _rope(layer.q(x).view(batch, length, heads, dim).transpose(1, 2), cos, sin)
-        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=layer.scaling,
-                                              enable_gqa=heads != kv_heads)
-        h = h + layer.o(attn.transpose(1, 2).reshape(batch, length, heads * dim))
-        x = layer.post_norm(h)
-        h = h + layer.down(layer.act(layer.gate(x)) * layer.up(x))
     return plan.norm(h)
+
+
+def _decoder_layer(plan: LeanPlan, layer: LeanLayer, h: Tensor, allowed: Tensor, cos: Tensor, sin: Tensor,
+                   read: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    """One decoder layer: (B, L, H) input -> its output (B, L, H), or (B, m, H) at the columns `read`
+    (`_layer_at`), and its rotated keys and values (B, H_kv, L, D)."""
+    batch, length = h.shape[:2]
+    heads, kv_heads, dim = plan.num_heads, plan.num_kv_heads, plan.head_dim
+    x = layer.input_norm(h)
+    k = _rope(layer.k(x).view(batch, length, kv_heads, dim).transpose(1, 2), cos, sin)
+    v = layer.v(x).view(batch, length, kv_heads, dim).transpose(1, 2)
+    if read is not None:
+        return _layer_at(plan, layer, h, x, k, v, allowed, cos, sin, read), k, v
+    q = _rope(layer.q(x).view(batch, length, heads, dim).transpose(1, 2), cos, sin)
+    attn = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=layer.scaling,
+                                          enable_gqa=heads != kv_heads)
+    h = h + layer.o(attn.transpose(1, 2).reshape(batch, length, heads * dim))
+    x = layer.post_norm(h)
+    return h + layer.down(layer.act(layer.gate(x)) * layer.up(x)), k, v
 
 
 def _layer_at(plan: LeanPlan, layer: LeanLayer, h: Tensor, x: Tensor, k: Tensor, v: Tensor, allowed: Tensor,
