@@ -283,6 +283,8 @@ def train(cfg: DPOConfig, run: RunDir | None = None) -> RunResult:
     if cfg.lora_r > 0:
         policy = add_lora(cfg, policy)
     policy.train()
+    if cfg.gradient_checkpointing:  # after the reference log-probs (no grad), before wrapping
+        models.enable_gradient_checkpointing(policy, "DPO policy")
     wrapped = parallel.wrap_model(policy, world, cfg.parallel_strategy)
     packed = cfg.shared_prefix and can_pack(policy) and not parallel.holds_shards(policy)  # packed rows: whole weights
     run, resumed = open_run(cfg, "dpo", wrapped.layout) if run is None else (run, None)

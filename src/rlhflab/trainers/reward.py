@@ -432,6 +432,8 @@ def train(cfg: RMConfig, run: RunDir | None = None) -> RunResult:
     model = models.build_reward_model(cfg.model, tokenizer, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code)
     model = models.freeze_lower_layers(models.grow_trunk(model, cfg.extra_layers), cfg.frozen_layers)
     model = float32_for_training(model, f"reward model from {cfg.model}")  # whole weights train
+    if cfg.gradient_checkpointing:  # before wrapping: the engines wrap the checkpointed layers
+        models.enable_gradient_checkpointing(model, "reward model")
     model.config.pad_token_id = tokenizer.pad_token_id
     model.to(world.device)
     models.disable_dropout(model)

@@ -237,6 +237,8 @@ def train(cfg: SFTConfig, run: RunDir | None = None) -> RunResult:
     model.to(world.device)
     models.disable_dropout(model)
     model.train()
+    if cfg.gradient_checkpointing:  # before wrapping: the engines wrap the checkpointed layers
+        models.enable_gradient_checkpointing(model, "SFT model")
     # 2. data, validated and tokenised before the run folder is created (every rank builds the same)
     sft_data = load_sft_data(cfg, tokenizer)
     world.check_same(sft_data.train, "the tokenised SFT training data")

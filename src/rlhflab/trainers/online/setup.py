@@ -107,6 +107,10 @@ def build_roles(cfg: OnlineFields, critic: bool = True) -> tuple[PolicyRoles, ob
     else:  # "lora_adapter" (the config's Literal admits no other value)
         models.add_value_adapter(policy, r=cfg.lora_r, alpha=cfg.lora_alpha)
         value_head = models.ValueHead(hidden).to(device)
+    if cfg.gradient_checkpointing:  # the trained models; the reference and the reward model run without grad
+        for model, what in ((policy, "policy"), (value_model, "value model")):
+            if model is not None:
+                models.enable_gradient_checkpointing(model, what)
     roles = PolicyRoles(policy, value_mode=value_mode, value_head=value_head, value_model=value_model,
                         reference=reference, load_reference=load_reference, lora=lora,
                         merge_lora_for_generation=cfg.lora_merge_generation)
