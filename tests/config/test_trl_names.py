@@ -59,11 +59,20 @@ def test_a_computed_counterpart_explains_the_arithmetic():
     assert "is rlhflab's --batch_size" not in message  # not a rename: the value changes
 
 
-@pytest.mark.parametrize("trl", ["local_rollout_forward_batch_size", "stop_token", "gradient_checkpointing"])
+@pytest.mark.parametrize("trl", ["local_rollout_forward_batch_size", "stop_token"])
 def test_a_trl_flag_without_counterpart_says_so_and_why(trl):
     message = error_of("ppo", [f"--{trl}", "1"])
     assert f"TRL's --{trl} has no rlhflab counterpart: {TRL_NAMES[trl].note}" in message
     assert "did you mean" not in message
+
+
+@pytest.mark.parametrize("stage", ["sft", "rm", "dpo", "ppo", "grpo", "rloo", "reinforce", "online-dpo"])
+def test_trls_gradient_checkpointing_is_a_field_of_every_training_stage(stage):
+    """TRL's --gradient_checkpointing has the same name and meaning here (models/checkpointing.py): off unless given."""
+    assert "gradient_checkpointing" not in TRL_NAMES
+    parse = lambda argv: parse_config(STAGES[stage], argv, prog=f"rlhflab {stage}")  # noqa: E731
+    assert parse(["--gradient_checkpointing", "true"]).gradient_checkpointing is True
+    assert parse([]).gradient_checkpointing is False
 
 
 @pytest.mark.parametrize(("stage", "trl", "expected"), [
