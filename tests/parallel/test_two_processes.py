@@ -72,6 +72,14 @@ RUNS = {
     "dpo-fsdp2-lora": (dpo_args, ["--parallel_strategy", "fsdp2", "--lora_r", "4"], 2),
 }
 TRAINERS = {"sft": sft.train, "rm": reward.train, "dpo": dpo.train}
+# 2-process runs (same launch, no resume) of a RUNS entry plus flags that must not change what it trains: compared
+# with that entry's single-process run, made without them
+TWO_WITH_FLAGS = {
+    # gradient checkpointing (models/checkpointing.py): the lean forward under DDP, HF's layers under FSDP2, LoRA
+    "sft-ddp-checkpointing": ("sft-ddp", ["--gradient_checkpointing", "true"]),
+    "sft-fsdp2-checkpointing": ("sft-fsdp2", ["--gradient_checkpointing", "true"]),
+    "dpo-ddp-lora-checkpointing": ("dpo-ddp-lora", ["--gradient_checkpointing", "true"]),
+}
 
 
 def train_here(args: list[str]) -> float:
@@ -130,6 +138,10 @@ def runs(policy_dir, tmp_path_factory) -> dict:
         one, two = root / name / "one", root / name / "two"
         out[name] = {"one": one, "two": two, "wall_one": train_here([*args(one, policy_dir), *flags])}
         jobs.append({"args": [*args(two, policy_dir), *flags], "resume_at": resume_at})
+    for name, (like, extra) in TWO_WITH_FLAGS.items():
+        args, flags, _ = RUNS[like]
+        out[name] = {"one": out[like]["one"], "two": root / name / "two"}
+        jobs.append({"args": [*args(out[name]["two"], policy_dir), *flags, *extra]})
     (root / "jobs.json").write_text(json.dumps(jobs))
     done = launch([str(HERE / "launch_runs.py"), str(root / "jobs.json")], cwd)
     assert done.returncode == 0, done.stderr[-6000:]
@@ -157,6 +169,15 @@ def test_a_resume_at_two_processes_equals_the_uninterrupted_run(runs, name):
     assert_same_weights_in(two / "model", two / "model-uninterrupted")
     assert metric_rows(two / "metrics.jsonl") == metric_rows(two / "metrics-uninterrupted.jsonl")
     assert [r["step"] for r in json.loads((two / "summary.json").read_text())["resumes"]] == [RUNS[name][2]]
+
+
+@pytest.mark.parametrize("name", list(TWO_WITH_FLAGS))
+def test_two_processes_with_the_flags_train_the_weights_and_metrics_of_one_without(runs, name):
+    run = runs[name]
+    difference = max_weight_difference(run["one"] / "model", run["two"] / "model")
+    print(f"\n{name}: max |w_1 - w_2| = {difference:.2e}")
+    assert difference <= 1e-5
+    assert_same_metrics(metric_rows(run["one"] / "metrics.jsonl"), metric_rows(run["two"] / "metrics.jsonl"))
 
 
 def assert_same_weights_in(a: Path, b: Path) -> None:
