@@ -14,7 +14,6 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 from rlhflab import data, models, tasks
 from rlhflab.config import GRPOConfig, PPOConfig
 from rlhflab.core import kl_k1
-from rlhflab.core.logprobs import selective_log_softmax
 from rlhflab.rollout import GenerationSettings
 from rlhflab.rollout.backends import HF, LEAN
 from rlhflab.rollout.rollout import collect_rollout
@@ -123,7 +122,7 @@ def test_first_rollout_on_cuda_bf16_lora_has_ratio_one_and_kl_zero_exactly(polic
     assert torch.equal(kl_k1(rollout.logprobs, rollout.ref_logprobs, mask), torch.zeros_like(rollout.logprobs))
     roles.train(True)
     logits, _ = roles.logits_and_values(rollout.query_ids, rollout.query_mask, rollout.response_ids, mask)
-    ratio = torch.exp(selective_log_softmax(logits, rollout.response_ids, cfg.temperature) - rollout.logprobs)[mask]
+    ratio = torch.exp(models.token_logprobs(logits, rollout.response_ids, cfg.temperature) - rollout.logprobs)[mask]
     assert torch.equal(ratio, torch.ones_like(ratio))
 
 

@@ -10,7 +10,6 @@ import torch
 
 from rlhflab import data, models, tasks
 from rlhflab.core import kl_k1
-from rlhflab.core.logprobs import selective_log_softmax
 from rlhflab.models.precision import float32_for_training
 from rlhflab.rollout import GenerationSettings
 from rlhflab.rollout.backends import LEAN, use_backend
@@ -137,5 +136,5 @@ def test_a_rollout_sampled_by_vllm_has_ratio_one_and_kl_zero_exactly(engine):
     assert torch.equal(kl_k1(rollout.logprobs, rollout.ref_logprobs, mask), torch.zeros_like(rollout.logprobs))
     roles.train(True)
     logits, _ = roles.logits_and_values(rollout.query_ids, rollout.query_mask, rollout.response_ids, mask)
-    ratio = torch.exp(selective_log_softmax(logits, rollout.response_ids, 0.9) - rollout.logprobs)[mask]
+    ratio = torch.exp(models.token_logprobs(logits, rollout.response_ids, 0.9) - rollout.logprobs)[mask]
     assert torch.equal(ratio, torch.ones_like(ratio))

@@ -75,7 +75,8 @@ def test_packed_loss_and_gradient_equal_the_padded_ones(arch):
 def test_logits_at_targets_are_the_models_own():
     model = tinyhf.build("llama")
     packed = pack_sequences([([5, 6, 7, 1], 1), ([8, 9, 1], 1)], pad_id=PAD, row_length=8)
-    logits, targets = packed_target_logits(model, packed)
+    scores, targets = packed_target_logits(model, packed)
+    logits = scores.head(scores.hidden)
     alone = model(input_ids=torch.tensor([[5, 6, 7, 1]])).logits[0, :3]  # predicts 6, 7, 1
     torch.testing.assert_close(logits[:3], alone, rtol=1e-4, atol=1e-5)
     assert targets.tolist() == [6, 7, 1, 9, 1]

@@ -48,16 +48,17 @@ def test_shared_prompt_logits_and_gradients_equal_the_plain_forward(arch, prompt
     assert len(groups[0]) == prompts
     mask = out.response_mask
     plain = joined_logits(plan, out)
-    shared = models.shared_prompt_logits(plan, out.query_ids, out.query_mask, out.response_ids, mask, *groups)
+    head_inputs = models.shared_prompt_logits(plan, out.query_ids, out.query_mask, out.response_ids, mask, *groups)
+    shared = head_inputs.head(head_inputs.hidden)
     torch.testing.assert_close(shared[mask], plain[mask], rtol=0, atol=1e-5)
-    assert bool((shared[~mask] == 0).all())
+    assert bool((head_inputs.hidden[~mask] == 0).all())
     rows = models.shared_prompt.answer_rows(out.query_ids, out.query_mask, out.response_ids, mask, *groups, 0)
     assert int((rows.input_ids != 0).sum()) == int(out.query_mask[groups[0]].sum() + mask.sum())  # each prompt once
     shuffled = torch.randperm(len(mask), generator=torch.Generator().manual_seed(0))
     again = models.shared_prompt_logits(plan, *(t[shuffled] for t in (out.query_ids, out.query_mask, out.response_ids,
                                                                      mask)), *models.distinct_prompts(
         out.query_ids[shuffled], out.query_mask[shuffled]))
-    assert torch.equal(again[torch.argsort(shuffled)], shared)  # the rows' order changes no bit (ratio exactly 1)
+    assert torch.equal(again.hidden[torch.argsort(shuffled)], head_inputs.hidden)  # the rows' order changes no bit (ratio exactly 1)
     params = [p for p in model.parameters() if p.requires_grad]
     weights = torch.randn(plain[mask].shape, generator=torch.Generator().manual_seed(1))
     g_plain = torch.autograd.grad((plain[mask] * weights).sum(), params)

@@ -17,20 +17,22 @@ from rlhflab.models.prompt_groups import PackedGroups, pack_groups
 from rlhflab.models.packed_sequences import PackedSequences, can_pack_sequences, fill_rows, pack_rows, pack_sequences
 from rlhflab.models.packed_sequences import packed_target_logits
 from rlhflab.models.shared_prompt import distinct_prompts, shared_prompt_logits
+from rlhflab.models.token_head import HeadInputs, head_inputs, output_layer, token_logprobs
+from rlhflab.models.token_head import token_logprobs_and_entropy
 from rlhflab.models.tiny_model import TINY_ARCHITECTURES, TinySizes, build_tiny_model, save_model_folder
 from rlhflab.models.tiny_tokenizer import EOS_TOKEN, PAD_TOKEN, build_tokenizer, template_words
 from rlhflab.models.value import ValueHead, ValueModel, last_hidden_state
 
 __all__ = [
-    "EOS_TOKEN", "PAD_TOKEN", "PackedGroups", "PackedPairs", "PackedSequences", "TINY_ARCHITECTURES", "TinySizes", "ValueHead",
+    "EOS_TOKEN", "HeadInputs", "PAD_TOKEN", "PackedGroups", "PackedPairs", "PackedSequences", "TINY_ARCHITECTURES", "TinySizes", "ValueHead",
     "ValueModel",
     "adapter_values", "adapters_off", "add_value_adapter", "apply_lora", "build_random_reward_model",
     "build_reward_model", "build_reward_model_from_causal", "build_tiny_model", "build_tokenizer", "can_pack_pairs",
     "can_pack_sequences", "fill_rows", "pack_rows", "pack_sequences", "packed_target_logits",
     "can_grow_saved_trunk", "can_grow_trunk", "checkpointing_on", "count_parameters", "disable_dropout", "distinct_prompts",
-    "enable_gradient_checkpointing", "freeze_lower_layers", "grouped_scores", "grow_trunk",
+    "enable_gradient_checkpointing", "freeze_lower_layers", "grouped_scores", "grow_trunk", "head_inputs",
     "is_encoder_reward_model", "last_hidden_state", "lean_hidden",
-    "last_real_index", "load_causal_lm", "load_reward_model", "merged_adapter", "pack_groups", "pack_shared_prefix", "packed_length",
+    "last_real_index", "load_causal_lm", "load_reward_model", "merged_adapter", "output_layer", "pack_groups", "pack_shared_prefix", "packed_length",
     "packed_pair_scores", "load_tokenizer", "plan_lean", "read_columns", "save_model_folder", "sequence_scores", "shared_prompt_logits",
-    "special_tokens_frame", "template_words", "trainable_parameters", "use_adapter",
+    "special_tokens_frame", "template_words", "token_logprobs", "token_logprobs_and_entropy", "trainable_parameters", "use_adapter",
 ]

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from rlhflab.models.lean import lean_hidden, plan_lean, read_columns
+from rlhflab.models.token_head import HeadInputs
 
 IGNORE = -100  # a target that is not trained (prompt, padding, the last token of a sequence)
 
@@ -104,8 +105,9 @@ def can_pack_sequences(model: nn.Module) -> bool:
     return plan is not None and plan.lm_head is not None
 
 
-def packed_target_logits(model: nn.Module, packed: PackedSequences) -> tuple[Tensor, Tensor]:
-    """(N, V) logits at the N positions with a target, and the (N,) targets. Differentiable.
+def packed_target_logits(model: nn.Module, packed: PackedSequences) -> tuple[HeadInputs, Tensor]:
+    """What predicts the N positions with a target (`HeadInputs`: (N, H) hidden states and the LM head; their
+    logits are `head(hidden)`), and the (N,) targets. Differentiable.
     Only for models where `can_pack_sequences` holds."""
     plan = plan_lean(model, allow_training=True)
     if plan is None or plan.lm_head is None:
@@ -116,4 +118,4 @@ def packed_target_logits(model: nn.Module, packed: PackedSequences) -> tuple[Ten
     read, valid = read_columns(trained)  # the last layer runs at the trained positions only
     hidden = lean_hidden(plan, packed.input_ids.to(device), None, packed.position_ids.to(device),
                          allowed=packed.allowed.to(device), read=read)  # (B, m, H)
-    return plan.lm_head(hidden[valid]), targets[trained]
+    return HeadInputs.of(hidden[valid], plan.lm_head), targets[trained]

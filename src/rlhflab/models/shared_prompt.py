@@ -31,6 +31,7 @@ from torch import Tensor
 from rlhflab.models.lean import LeanPlan, lean_hidden
 from rlhflab.models.prompt_groups import group_mask
 from rlhflab.models.prompt_pass import packed_groups
+from rlhflab.models.token_head import HeadInputs
 
 
 def distinct_prompts(query_ids: Tensor, query_mask: Tensor) -> tuple[Tensor, Tensor] | None:
@@ -152,14 +153,15 @@ def _allowed(layout: _Layout, device: torch.device) -> Tensor:
 
 
 def shared_prompt_logits(plan: LeanPlan, query_ids: Tensor, query_mask: Tensor, response_ids: Tensor,
-                         response_mask: Tensor, first: Tensor, inverse: Tensor) -> Tensor:
-    """(B, T, V) logits predicting each response token (those at the last prompt position and at every
-    response token but the last), each distinct prompt (`distinct_prompts`) run once in its group (see module
-    doc); 0 past a row's answer (positions every caller masks). The left-padded prompts (B, P) and
-    right-padded responses (B, T) are the rollout's; every prompt needs a real token."""
+                         response_mask: Tensor, first: Tensor, inverse: Tensor) -> HeadInputs:
+    """What predicts each response token, (B, T) positions of `HeadInputs` (the final hidden states at the last
+    prompt position and at every response token but the last, with the LM head), each distinct prompt
+    (`distinct_prompts`) run once in its group (see module doc); zero states past a row's answer (positions every
+    caller masks). The left-padded prompts (B, P) and right-padded responses (B, T) are the rollout's; every
+    prompt needs a real token."""
     pad_id = plan.padding_idx if plan.padding_idx is not None else 0
     rows = answer_rows(query_ids, query_mask, response_ids, response_mask, first, inverse, pad_id)
     hidden = lean_hidden(plan, rows.input_ids, None, rows.position_ids, allowed=rows.allowed, read=rows.read)
-    logits = plan.lm_head(hidden.reshape(-1, hidden.shape[-1]))
-    picked = torch.cat([logits, logits.new_zeros(1, logits.shape[1])]).index_select(0, rows.logit_index.reshape(-1))
-    return picked.view(*rows.logit_index.shape, logits.shape[1])
+    flat = hidden.reshape(-1, hidden.shape[-1])  # (R * m, H)
+    picked = torch.cat([flat, flat.new_zeros(1, flat.shape[1])]).index_select(0, rows.logit_index.reshape(-1))
+    return HeadInputs.of(picked.view(*rows.logit_index.shape, flat.shape[1]), plan.lm_head)
