@@ -31,7 +31,7 @@ PPO_SUGGESTIONS = {
     "per_device_train_batch_size": "batch_size",
     "model_name_or_path": "model",
     "use_peft": "lora_r",
-    "bf16": "dtype",
+    "torch_dtype": "dtype",  # storage; TRL's --bf16 / --fp16 (compute) are fields here
     "num_sample_generations": "eval_every",
     "num_train_epochs": "total_episodes",
     "logging_steps": "log_every",
@@ -73,6 +73,18 @@ def test_trls_gradient_checkpointing_is_a_field_of_every_training_stage(stage):
     parse = lambda argv: parse_config(STAGES[stage], argv, prog=f"rlhflab {stage}")  # noqa: E731
     assert parse(["--gradient_checkpointing", "true"]).gradient_checkpointing is True
     assert parse([]).gradient_checkpointing is False
+
+
+@pytest.mark.parametrize("stage", ["sft", "rm", "dpo", "ppo", "grpo", "rloo", "reinforce", "online-dpo"])
+def test_trls_bf16_and_fp16_are_fields_of_every_training_stage(stage):
+    """TRL's --bf16 / --fp16 (accelerate's --mixed_precision) are fields here with TRL's meaning (autocast over
+    float32 masters, models/precision.py), not hints; unset, the precision is chosen for the device (auto)."""
+    assert not {"bf16", "fp16", "mixed_precision"} & set(TRL_NAMES)
+    parse = lambda argv: parse_config(STAGES[stage], argv, prog=f"rlhflab {stage}")  # noqa: E731
+    assert parse(["--bf16"]).bf16 is True and parse(["--fp16", "true"]).fp16 is True
+    assert parse(["--mixed_precision", "no"]).mixed_precision == "no"
+    default = parse([])
+    assert (default.bf16, default.fp16, default.mixed_precision) == (False, False, "auto")
 
 
 @pytest.mark.parametrize(("stage", "trl", "expected"), [
@@ -119,12 +131,12 @@ def test_dashes_and_equals_forms_are_recognised():
 
 
 def test_every_unknown_flag_is_reported_at_once_with_its_own_hint():
-    message = error_of("ppo", ["--sft_model_path", "A", "--seed", "3", "--reward_model_path", "B", "--bf16",
-                               "--num_ppo_epoch", "2"])
-    assert "unknown options '--sft_model_path', '--reward_model_path', '--bf16', '--num_ppo_epoch'" in message
+    message = error_of("ppo", ["--sft_model_path", "A", "--seed", "3", "--reward_model_path", "B", "--push_to_hub",
+                               "--bf16", "--num_ppo_epoch", "2"])  # --bf16 is a field: not among them
+    assert "unknown options '--sft_model_path', '--reward_model_path', '--push_to_hub', '--num_ppo_epoch'" in message
     lines = message.split("\n")[1:]
     assert [line.split(":")[0].strip() for line in lines] == [
-        "--sft_model_path", "--reward_model_path", "--bf16", "--num_ppo_epoch"]
+        "--sft_model_path", "--reward_model_path", "--push_to_hub", "--num_ppo_epoch"]
     assert "did you mean --reward_model?" in lines[1] and "did you mean 'num_ppo_epochs'?" in lines[3]
 
 

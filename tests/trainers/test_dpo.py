@@ -187,7 +187,7 @@ def test_precomputed_reference_equals_a_resident_reference_and_is_not_kept(suite
 def test_gradient_accumulation_and_length_chunks_give_the_gradient_of_one_big_batch(suite_dir, monkeypatch):
     captured = []
 
-    def capture(optimizer, scheduler, params, max_grad_norm, loss, mode, stage, engine=None):
+    def capture(optimizer, scheduler, params, max_grad_norm, loss, mode, stage, engine=None, precision=None):
         captured.append(([p.grad.clone() for p in params], loss))
         optimizer.zero_grad()
         return torch.tensor(0.0)

@@ -11,10 +11,10 @@ from critic_free import (GROUPS_WITH_FAILURES, check_accumulation_equivalence, c
                          digit_share, grouped_rollout, hand_batch, spread_score, tiny, update_rows)
 from tinyhf import save_suite_model
 
+from rlhflab import models
 from rlhflab.cli import main
 from rlhflab.config import GRPOConfig
 from rlhflab.core import kl_k3
-from rlhflab.core.logprobs import selective_log_softmax
 from rlhflab.trainers import grpo
 from rlhflab.trainers.online.algorithm import StepShare
 from rlhflab.trainers.online.loop import scored_batch, update_passes
@@ -64,11 +64,14 @@ def test_kl_in_the_reward_subtracts_beta_times_the_sequence_kl(policy_dir):
     assert adv.metrics["reward"] == pytest.approx((1 + 2 + 6 + 3) / 4)  # the scores, before the KL penalty (TRL)
 
 
-@pytest.mark.parametrize("level,loss_type", VARIANTS)
-def test_first_update_has_ratio_exactly_one_and_kl_exactly_zero(policy_dir, tmp_path, level, loss_type):
-    # a fresh training forward (not the rollout's own, reused one) must give the rollout's log-probs exactly
+@pytest.mark.parametrize("level,loss_type,precision",
+                         [(*v, "no") for v in VARIANTS] + [("token", "dapo", "bf16"), ("sequence", "grpo", "bf16")])
+def test_first_update_has_ratio_exactly_one_and_kl_exactly_zero(policy_dir, tmp_path, level, loss_type, precision):
+    # a fresh training forward (not the rollout's own, reused one) must give the rollout's log-probs exactly,
+    # under bf16 autocast too (rollout, reference and training forwards in the same autocast)
     cfg = grpo_cfg(policy_dir, importance_sampling_level=level, loss_type=loss_type, reuse_rollout_forward=False,
-                   output_dir=str(tmp_path / "run"), missing_eos_penalty=0.0, epsilon_high=0.28)
+                   output_dir=str(tmp_path / "run"), missing_eos_penalty=0.0, epsilon_high=0.28,
+                   mixed_precision=precision)
     [row] = update_rows(grpo.train(cfg, reward_fn=spread_score).run_dir)
     assert row["policy/ratio_mean"] == row["policy/ratio_min"] == row["policy/ratio_max"] == 1.0
     assert row["objective/kl"] == 0.0 and row["kl"] == 0.0  # policy == reference: k1 and k3 both exactly 0
@@ -149,7 +152,7 @@ def test_kl_term_on_the_model_no_gradient_at_the_reference_and_a_step_towards_it
     with torch.no_grad():
         logits, _ = roles.logits_and_values(rollout.query_ids, rollout.query_mask, rollout.response_ids,
                                             rollout.response_mask)
-        now = selective_log_softmax(logits, rollout.response_ids, cfg.temperature)
+        now = models.token_logprobs(logits, rollout.response_ids, cfg.temperature)
     before = kl_k3(rollout.logprobs, rollout.ref_logprobs, rollout.response_mask).sum()
     after = kl_k3(now, rollout.ref_logprobs, rollout.response_mask).sum()
     assert after < 0.9 * before, (before, after)

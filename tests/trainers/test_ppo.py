@@ -11,7 +11,6 @@ import torch
 from rlhflab import data, models, tasks
 from rlhflab.config import PPOConfig
 from rlhflab.core import kl_k1
-from rlhflab.core.logprobs import selective_log_softmax
 from rlhflab.rollout import GenerationSettings, response_logprobs
 from rlhflab.rollout.rollout import collect_rollout
 from rlhflab.trainers import ppo
@@ -51,18 +50,21 @@ def rollout_for(cfg, roles, tokenizer, n=8):
                            settings=settings, generator=torch.Generator().manual_seed(0)), items
 
 
+@pytest.mark.parametrize("precision", ["no", "bf16"])
 @pytest.mark.parametrize("mode", sorted(MODES))
-def test_first_minibatch_has_ratio_exactly_one_and_kl_exactly_zero(policy_dir, mode):
-    cfg = tiny_cfg(policy_dir, **MODES[mode])
+def test_first_minibatch_has_ratio_exactly_one_and_kl_exactly_zero(policy_dir, mode, precision):
+    """Rollout, reference and training forwards under one autocast (bf16 on a CPU too): still exact."""
+    cfg = tiny_cfg(policy_dir, mixed_precision=precision, **MODES[mode])
     roles, tokenizer = build_roles(cfg)
     rollout, _ = rollout_for(cfg, roles, tokenizer)
     mask = rollout.response_mask
     assert torch.equal(kl_k1(rollout.logprobs, rollout.ref_logprobs, mask), torch.zeros_like(rollout.logprobs))
     roles.train(True)
-    logits, _ = roles.logits_and_values(rollout.query_ids, rollout.query_mask, rollout.response_ids, mask)
-    logprobs = selective_log_softmax(logits, rollout.response_ids, cfg.temperature)
+    scores, _ = roles.logits_and_values(rollout.query_ids, rollout.query_mask, rollout.response_ids, mask)
+    logprobs = models.token_logprobs(scores, rollout.response_ids, cfg.temperature)
     ratio = torch.exp(logprobs - rollout.logprobs)[mask]
     assert torch.equal(ratio, torch.ones_like(ratio))
+    assert scores.autocast == (torch.bfloat16 if precision == "bf16" else None)  # the head runs under the autocast too
 
 
 @pytest.mark.parametrize("mode", sorted(MODES))
@@ -80,12 +82,13 @@ def test_kept_rollout_forward_is_the_training_forward(policy_dir, mode):
     assert plain.policy_forward is None and kept.policy_forward is not None
     for name in ("response_ids", "logprobs", "ref_logprobs", "values", "entropy"):
         assert torch.equal(getattr(kept, name), getattr(plain, name)), name
-    logits, values = kept.policy_forward
-    assert logits.requires_grad and values.requires_grad
+    logprobs, values = kept.policy_forward
+    assert logprobs.requires_grad and values.requires_grad
     roles.train(True)
-    fresh_logits, fresh_values = roles.logits_and_values(kept.query_ids, kept.query_mask, kept.response_ids,
+    fresh_scores, fresh_values = roles.logits_and_values(kept.query_ids, kept.query_mask, kept.response_ids,
                                                          kept.response_mask)
-    assert torch.equal(logits, fresh_logits) and torch.equal(values, fresh_values)
+    fresh = models.token_logprobs(fresh_scores, kept.response_ids, cfg.temperature)
+    assert torch.equal(logprobs, fresh) and torch.equal(values, fresh_values)
 
 
 def test_reusing_the_rollout_forward_trains_the_same_policy(policy_dir, tmp_path):
@@ -117,9 +120,9 @@ def test_lora_reference_equals_a_separately_loaded_base_after_training(policy_di
     rollout, items = rollout_for(cfg, roles, tokenizer)
     optimizer = torch.optim.AdamW(roles.trainable_parameters(), lr=1e-2)
     for _ in range(3):  # move the adapter away from its zero init
-        logits, values = roles.logits_and_values(rollout.query_ids, rollout.query_mask, rollout.response_ids,
+        scores, values = roles.logits_and_values(rollout.query_ids, rollout.query_mask, rollout.response_ids,
                                                  rollout.response_mask)
-        (logits.logsumexp(-1).mean() + values.mean()).backward()
+        (scores.head(scores.hidden).logsumexp(-1).mean() + values.mean()).backward()
         optimizer.step()
         optimizer.zero_grad()
     args = (rollout.query_ids, rollout.query_mask, rollout.response_ids, rollout.response_mask)
@@ -129,7 +132,7 @@ def test_lora_reference_equals_a_separately_loaded_base_after_training(policy_di
     mask = rollout.response_mask
     assert torch.allclose(reference[mask], expected[mask], atol=1e-6)
     with torch.no_grad():
-        policy_now = selective_log_softmax(roles.policy_forward(*args)[0], rollout.response_ids, 0.9)
+        policy_now = models.token_logprobs(roles.policy_forward(*args)[0], rollout.response_ids, 0.9)
     assert not torch.allclose(policy_now[mask], expected[mask], atol=1e-4)  # the adapter did change the policy
 
 
@@ -230,14 +233,14 @@ def test_training_forward_does_not_depend_on_left_padding_or_batch_company(polic
     args = (rollout.query_ids, rollout.query_mask, rollout.response_ids, rollout.response_mask)
     with torch.no_grad():
         logits, values = roles.logits_and_values(*args)
-        batch_lp = selective_log_softmax(logits, rollout.response_ids, 0.9)
+        batch_lp = models.token_logprobs(logits, rollout.response_ids, 0.9)
         for row in range(rollout.batch_size):
             keep = rollout.query_mask[row]
             alone = (rollout.query_ids[row, keep][None], keep[keep][None],
                      rollout.response_ids[row][None], rollout.response_mask[row][None])
             row_logits, row_values = roles.logits_and_values(*alone)
             mask = rollout.response_mask[row]
-            lp = selective_log_softmax(row_logits, rollout.response_ids[row][None], 0.9)[0]
+            lp = models.token_logprobs(row_logits, rollout.response_ids[row][None], 0.9)[0]
             assert torch.allclose(lp[mask], batch_lp[row][mask], atol=1e-5)
             assert torch.allclose(row_values[0][mask], values[row][mask], atol=1e-5)
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from contextlib import nullcontext
+from typing import Callable, ContextManager
 
 import torch
 from torch import nn
@@ -61,10 +63,14 @@ class ModelReward:
     score is read. Encoder reward models (`models.is_encoder_reward_model`): rows are `encoder_rows`,
     cut to `max_length` or else the model's position limit; `append_eos` does not apply (the frame's
     closing token, BERT's [SEP], ends the text as it did in training).
+
+    `autocast`: the context every forward runs in (the run's mixed precision, models/precision.py); the scores
+    come back float32 whatever it computes in.
     """
 
     def __init__(self, reward_model: nn.Module, tokenizer, batch_size: int = 64, shift: float = 0.0,
-                 scale: float = 1.0, append_eos: bool = True, max_length: int | None = None):
+                 scale: float = 1.0, append_eos: bool = True, max_length: int | None = None,
+                 autocast: Callable[[], ContextManager] = nullcontext):
         if scale == 0:
             raise UserInputError("reward scale must not be 0", where="reward_scale", fix="use e.g. 1.0")
         self.encoder = is_encoder_reward_model(reward_model)
@@ -78,6 +84,7 @@ class ModelReward:
         self.append_eos = append_eos
         self.max_length = max_length
         self.groups_prompts = not self.encoder and can_pack_pairs(reward_model)
+        self.autocast = autocast
 
     def encode(self, prompts: list[str], responses: list[str]) -> list[list[int]]:
         """Token ids of each prompt + response (+ EOS), with the reward model's tokenizer."""
@@ -102,10 +109,11 @@ class ModelReward:
         check_lengths(prompts, responses, rows)
         rows = self.encode(prompts, responses)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
-        if self.groups_prompts and len(set(prompts)) < len(prompts) and all(rows):
-            scores = self.scores_by_prompt(prompts, rows, pad)
-        else:
-            scores = self.padded_scores(rows, pad)
+        with self.autocast():
+            if self.groups_prompts and len(set(prompts)) < len(prompts) and all(rows):
+                scores = self.scores_by_prompt(prompts, rows, pad)
+            else:
+                scores = self.padded_scores(rows, pad)
         return scored((scores - self.shift) / self.scale, torch.ones_like(scores, dtype=torch.bool))
 
     def scores_by_prompt(self, prompts: list[str], rows: list[list[int]], pad: int) -> torch.Tensor:

@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import importlib.util
 import weakref
+from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, ContextManager, Protocol
 
 import torch
 from torch import Tensor
@@ -67,6 +68,12 @@ def use_backend(model: torch.nn.Module, backend: GenerationBackend) -> None:
 
 def backend_of(model: torch.nn.Module) -> GenerationBackend:
     return _BOUND.get(model, LEAN)
+
+
+def generation_autocast(model: torch.nn.Module, autocast: Callable[[], ContextManager]) -> ContextManager:
+    """`autocast()` where `model`'s backend samples with this process's torch (lean, hf), so sampling runs in the
+    training forward's precision; vLLM samples in its own engine's dtype and is left alone."""
+    return autocast() if isinstance(backend_of(model), DecoderBackend) else nullcontext()
 
 
 def generate_with(model: torch.nn.Module, prompts: list[list[int]], *, pad_id: int, eos_id: int,

@@ -11,7 +11,10 @@ Memory modes (MISSION.md §3, README "PPO memory modes"):
 Dropout is off in every role: with dropout, ratio != 1 at the first minibatch.
 Precision (models/precision.py): with a bf16 / fp16 `dtype` only frozen weights stay half (a LoRA
 base, which is also the reference and the value adapter's trunk); adapters, heads and any whole-weight
-model train in float32; log-probs are taken in float32, values in the head's float32.
+model train in float32; log-probs are taken in float32, values in the head's float32. Mixed precision
+(`precision`, models/precision.py): every forward of the roles, the rollout's, the reference's and the training
+one alike, runs under the same autocast, so ratio == 1 and KL == 0 at the first step stay exact; log-probs are
+still taken in float32 from the (then bf16 / fp16) logits.
 Alignment: values[:, t] = V(prompt + response[:t]), read at the position whose input is the last
 token before response token t, like the logits that predict it (tests/trainers/test_ppo_bf16.py).
 Several processes (trainers/online/ranks.py): the forwards of the trained modules and of the reference
@@ -29,7 +32,7 @@ import torch
 from torch import Tensor
 
 from rlhflab import models
-from rlhflab.core.logprobs import selective_log_softmax
+from rlhflab.models.precision import MixedPrecision
 from rlhflab.data import position_ids_from_mask
 
 
@@ -73,6 +76,7 @@ class PolicyRoles:
         lora: bool = False,
         merge_lora_for_generation: bool = False,
         lean: bool = True,
+        precision: MixedPrecision | None = None,
     ):
         self.policy = policy
         self.value_mode = value_mode
@@ -83,6 +87,7 @@ class PolicyRoles:
         self.lora = lora
         self.merge_lora_for_generation = lora and merge_lora_for_generation
         self.lean = lean  # policy / reference forwards through models.lean where the model allows it
+        self.precision = precision or MixedPrecision()  # autocast of every forward here; fp16's loss scaler
         self.engines = Engines()
         # what samples: the policy itself, or (FSDP2) a context giving a whole-weight copy of it
         self.generation_policy: Callable[[], ContextManager[torch.nn.Module]] | None = None
@@ -131,22 +136,31 @@ class PolicyRoles:
     def _policy_adapter(self):
         return models.use_adapter(self.policy, "default") if self.value_mode == "lora_adapter" else nullcontext()
 
-    def _lm(self, model, input_ids, attention, positions, keep: int, hidden: bool) -> tuple[Tensor, Tensor | None]:
-        """(B, keep, V) logits of the last `keep` positions and, if asked, their (B, keep, H) final hidden states:
-        from `models.lean` for a Llama-layout model (same math, less overhead; its last layer runs those
-        positions only), else the model's forward."""
+    def _lm(self, model, input_ids, attention, positions, keep: int, hidden: bool = False
+            ) -> tuple[Tensor | models.HeadInputs, Tensor | None]:
+        """What predicts the last `keep` positions and their (B, keep, H) final hidden states. From `models.lean`
+        for a Llama-layout model (same math, less overhead; its last layer runs those positions only), else the
+        model's trunk; either way `models.HeadInputs` (the hidden states and the output layer: log-probs are taken
+        chunk by chunk at a large vocabulary, models/token_head.py). (B, keep, V) logits from the model's own
+        forward where the output layer is not a plain one or is sharded (hidden states then only if asked)."""
         plan = models.plan_lean(model, allow_training=True) if self.lean else None
         if plan is not None and plan.lm_head is not None:
             length = input_ids.shape[1]
             read = torch.arange(length - keep, length, device=input_ids.device).expand(input_ids.shape[0], keep)
             states = models.lean_hidden(plan, input_ids, attention, positions, read=read)
-            return plan.lm_head(states), states if hidden else None
+            return models.HeadInputs.of(states, plan.lm_head), states
+        layers = models.output_layer(model)
+        if layers is not None:
+            trunk, head = layers
+            states = trunk(input_ids=input_ids, attention_mask=attention, position_ids=positions,
+                           use_cache=False).last_hidden_state[:, -keep:]
+            return models.HeadInputs.of(states, head), states
         out = model(input_ids=input_ids, attention_mask=attention, position_ids=positions,
                     output_hidden_states=hidden, logits_to_keep=keep)
         return out.logits, out.hidden_states[-1][:, -keep:] if hidden else None
 
-    def _response_logits(self, model, query_ids, query_mask, response_ids, response_mask) -> Tensor:
-        """(B, T, V) logits predicting each response token, no hidden states. Without a critic a batch that
+    def _response_logits(self, model, query_ids, query_mask, response_ids, response_mask) -> Tensor | models.HeadInputs:
+        """What predicts each response token ((B, T) positions; see `_lm`). Without a critic a batch that
         repeats prompts (k answers each) runs each distinct prompt once (models/shared_prompt.py); with one,
         policy and reference keep the same joined-row forward, so KL == 0 at the start stays exact."""
         plan = models.plan_lean(model, allow_training=True) if self.lean else None
@@ -156,16 +170,18 @@ class PolicyRoles:
                 return models.shared_prompt_logits(plan, query_ids, query_mask, response_ids, response_mask, *groups)
         input_ids, attention, positions = joined(query_ids, query_mask, response_ids, response_mask)
         keep = response_ids.shape[1] + 1  # the LM head runs on the last prompt position and the responses only
-        return self._lm(model, input_ids, attention, positions, keep, False)[0][:, -keep:-1]
+        return self._lm(model, input_ids, attention, positions, keep)[0][:, -keep:-1]
 
-    def policy_forward(self, query_ids, query_mask, response_ids, response_mask) -> tuple[Tensor, Tensor | None]:
-        """Logits predicting each response token (B, T, V) and, for a shared trunk, values (B, T)."""
+    def policy_forward(self, query_ids, query_mask, response_ids, response_mask
+                       ) -> tuple[Tensor | models.HeadInputs, Tensor | None]:
+        """What predicts each response token ((B, T) positions: `models.HeadInputs`, or (B, T, V) logits) and,
+        for a shared trunk, values (B, T)."""
         if self.value_mode != "shared":
             with self._policy_adapter():
                 return self._response_logits(self.policy, query_ids, query_mask, response_ids, response_mask), None
         input_ids, attention, positions = joined(query_ids, query_mask, response_ids, response_mask)
         keep = response_ids.shape[1] + 1  # the LM head runs on the last prompt position and the responses only
-        logits, hidden = self._lm(self.policy, input_ids, attention, positions, keep, True)
+        logits, hidden = self._lm(self.policy, input_ids, attention, positions, keep, hidden=True)
         return logits[:, :-1], self.value_head(hidden[:, :-1])
 
     def values(self, query_ids, query_mask, response_ids, response_mask) -> Tensor | None:
@@ -182,8 +198,11 @@ class PolicyRoles:
         return self.value_head(hidden[:, start:-1])
 
     def logits_and_values(self, query_ids, query_mask, response_ids, response_mask) -> tuple[Tensor, Tensor | None]:
-        """Policy logits (B, T, V) and values (B, T) (None without a critic): one forward of the trained engine."""
-        return self.engines.trained(lambda: self._logits_and_values(query_ids, query_mask, response_ids, response_mask))
+        """Policy logits (B, T, V) and values (B, T) (None without a critic): one forward of the trained engine,
+        under the roles' autocast (then in bf16 / fp16: callers take log-probs and values in float32)."""
+        with self.precision.autocast():
+            return self.engines.trained(
+                lambda: self._logits_and_values(query_ids, query_mask, response_ids, response_mask))
 
     def _logits_and_values(self, query_ids, query_mask, response_ids, response_mask):
         logits, values = self.policy_forward(query_ids, query_mask, response_ids, response_mask)
@@ -195,6 +214,11 @@ class PolicyRoles:
     def reference_logprobs(self, query_ids, query_mask, response_ids, response_mask, temperature: float) -> Tensor:
         """log pi_ref(a_t|s_t) for every response token (B, T), computed once per rollout."""
         args = (query_ids, query_mask, response_ids, response_mask)
+        with self.precision.autocast():  # the policy's own autocast: KL == 0 while policy == reference
+            logits = self._reference_logits(args)
+        return models.token_logprobs(logits, response_ids, temperature)
+
+    def _reference_logits(self, args: tuple) -> Tensor:
         if self.lora:
             def adapters_off() -> Tensor:
                 with models.adapters_off(self.policy):
@@ -205,4 +229,4 @@ class PolicyRoles:
             logits = self.engines.reference(lambda: self._response_logits(self.reference, *args))
         else:  # reference_mode=reload: loaded for this call, whole on every process, freed after it
             logits = self._response_logits(self.load_reference(), *args)
-        return selective_log_softmax(logits, response_ids, temperature)
+        return logits

@@ -9,8 +9,8 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from rlhflab.core.logprobs import entropy_from_logits, selective_log_softmax
-from rlhflab.rollout.backends import generate_with
+from rlhflab import models
+from rlhflab.rollout.backends import generate_with, generation_autocast
 from rlhflab.rollout.generate import BatchPlace, Generated, GenerationSettings
 from rlhflab.rollout.roles import PolicyRoles
 
@@ -27,8 +27,8 @@ class Rollout:
     entropy: Tensor  # (B, T) policy entropy at each response position; 0 where masked
     ended_with_eos: Tensor  # (B,) bool, False when the response hit the length cap
     seconds: dict  # wall time of "generation" and "forward" (old log-probs, reference, values)
-    # with keep_graph: the policy forward's (B, T, V) logits and (B, T) values (None: no critic), autograd graph attached,
-    # which ARE the first training forward when one minibatch holds the whole rollout (ppo_epochs)
+    # with keep_graph: the policy forward's (B, T) log-probs and (B, T) values (None: no critic), autograd graph
+    # attached, which ARE the first training forward when one minibatch holds the whole rollout (ppo_epochs)
     policy_forward: tuple[Tensor, Tensor | None] | None = None
 
     @property
@@ -53,7 +53,8 @@ def collect_rollout(
 
     Old log-probs come from a forward pass over the finished sequences rather than
     from the sampling loop, so they match the training forward exactly and the
-    first minibatch of the first epoch has ratio == 1 (DESIGN.md).
+    first minibatch of the first epoch has ratio == 1 (DESIGN.md). Sampling and every
+    forward run under the roles' autocast (`roles.precision`), as training does.
 
     `keep_graph`: run that forward in training mode with autograd on and keep it in
     `policy_forward`, so the first PPO step reuses it instead of repeating it (the same
@@ -65,7 +66,7 @@ def collect_rollout(
     """
     roles.train(False)
     started = time.time()
-    with roles.sampler() as policy:
+    with roles.sampler() as policy, generation_autocast(policy, roles.precision.autocast):
         out = generate_with(policy, prompts, pad_id=pad_id, eos_id=eos_id, settings=settings, generator=generator,
                             place=place)
     if place is not None or response_width is not None:
@@ -74,16 +75,19 @@ def collect_rollout(
     generated = time.time()
     q_ids, q_mask, r_ids, r_mask = out.query_ids, out.query_mask, out.response_ids, out.response_mask
     kept = None
-    if keep_graph:
+    if keep_graph:  # the log-probs with their graph: the first training step reads them, the rollout their values
         roles.train(True)
         with torch.enable_grad():
-            kept = roles.logits_and_values(q_ids, q_mask, r_ids, r_mask)
+            scores, values = roles.logits_and_values(q_ids, q_mask, r_ids, r_mask)
+            logprobs, entropy = models.token_logprobs_and_entropy(scores, r_ids, settings.temperature)
         roles.train(False)
-        logits, values = (t.detach() if t is not None else None for t in kept)
+        kept = (logprobs, values)
+        logprobs, entropy = logprobs.detach(), entropy.detach()
+        values = values.detach() if values is not None else None
     else:
-        logits, values = roles.logits_and_values(q_ids, q_mask, r_ids, r_mask)
-    logprobs = selective_log_softmax(logits, r_ids, settings.temperature)
-    entropy = entropy_from_logits(logits, settings.temperature)
+        scores, values = roles.logits_and_values(q_ids, q_mask, r_ids, r_mask)
+        logprobs, entropy = models.token_logprobs_and_entropy(scores, r_ids, settings.temperature)
+    del scores  # at a large vocabulary its logits were never formed whole; free its hidden states before the reference
     ref_logprobs = roles.reference_logprobs(q_ids, q_mask, r_ids, r_mask, settings.temperature)
     zero = torch.zeros((), dtype=logprobs.dtype)
     if values is None:  # no critic

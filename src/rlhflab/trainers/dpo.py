@@ -38,7 +38,7 @@ from rlhflab.checkpoint import open_run
 from rlhflab.config import DPOConfig
 from rlhflab.core import dpo_loss, ipo_loss, simpo_loss
 from rlhflab.errors import UserInputError
-from rlhflab.models.precision import float32_for_training
+from rlhflab.models.precision import MixedPrecision, float32_for_training, precision_from_config
 from rlhflab.tracking import RunDir, RunResult
 from rlhflab.trainers.dpo_data import DPOData, PreferencePair, load_dpo_data
 from rlhflab.trainers.dpo_logps import SequenceLogps, can_pack, chunked_logps, precompute_logps, row_length, select
@@ -177,12 +177,14 @@ def shared_precompute(model, pairs: list[PreferencePair], pad_id: int, packed: b
 
 def train_step(wrapped: parallel.Wrapped, optimizer, scheduler, batch: list[PreferencePair],
                reference: SequenceLogps | None, share: parallel.Share, cfg: DPOConfig, packed: bool,
-               pad_id: int) -> dict:
+               pad_id: int, precision: MixedPrecision | None = None) -> dict:
     """One optimiser step on this rank's block of the global `batch` (`share`: its real pairs first, then
     padding), in gradient_accumulation_steps micro-batches cut from them sorted by length (less padding):
     each micro-batch's mean loss over its real pairs is weighted by their share of the global batch, so the
     gradient summed over micro-batches and ranks is the whole batch's. `reference`: (B,) log-probs of
-    `batch`, in its order; the loss and metrics are the whole batch's, from every rank's log-probs."""
+    `batch`, in its order; the loss and metrics are the whole batch's, from every rank's log-probs.
+    Forwards under `precision`'s autocast (log-probs float32), backwards outside it (fp16: of the scaled loss)."""
+    precision = precision or MixedPrecision()
     pairs, ref = parallel.take(batch, share), select(reference, share.positions) if reference is not None else None
     order = sorted(range(len(pairs)), key=lambda i: row_length(pairs[i], packed))
     size = math.ceil(len(pairs) / cfg.gradient_accumulation_steps)
@@ -192,7 +194,8 @@ def train_step(wrapped: parallel.Wrapped, optimizer, scheduler, batch: list[Pref
     for n, micro in enumerate(micro_batches):
         real = [j for j, i in enumerate(micro) if i < share.real]  # padding rows run forward, with no weight
         with wrapped.sync(n == len(micro_batches) - 1):  # gradients cross ranks once, after the last micro-batch
-            logps = wrapped(chunked_logps, [pairs[i] for i in micro], pad_id, packed, chunks)
+            with precision.autocast():
+                logps = wrapped(chunked_logps, [pairs[i] for i in micro], pad_id, packed, chunks)
             if real:
                 kept = logps if len(real) == len(micro) else SequenceLogps(*(t[real] for t in logps))
                 loss, _ = preference_loss(cfg, kept, select(ref, [micro[j] for j in real]) if ref is not None else None)
@@ -200,7 +203,7 @@ def train_step(wrapped: parallel.Wrapped, optimizer, scheduler, batch: list[Pref
             else:
                 # both outputs, as a real loss: ZeRO-3 fetches weights in backward per output that gets a gradient
                 part = (logps.chosen.sum() + logps.rejected.sum()) * 0.0
-            wrapped.backward(part)
+            wrapped.backward(precision.scale(part))
         seen.append(SequenceLogps(*(t.detach() for t in logps)))
     # the whole batch's loss and metrics from every rank's log-probs (no second forward)
     with torch.no_grad():
@@ -209,14 +212,16 @@ def train_step(wrapped: parallel.Wrapped, optimizer, scheduler, batch: list[Pref
         every = SequenceLogps(*(parallel.gather_rows(t, wrapped.world) for t in mine))  # (B,) in batch order
         _, stats = preference_loss(cfg, every, reference)
     grad_norm = clip_and_step(optimizer, scheduler, wrapped.model.parameters(), cfg.max_grad_norm, stats["loss"],
-                              cfg.nonfinite, "DPO", engine=wrapped)  # None: a non-finite update was dropped
-    return {**stats, "grad_norm": math.nan if grad_norm is None else grad_norm.item(), "skipped": grad_norm is None}
+                              cfg.nonfinite, "DPO", engine=wrapped, precision=precision)  # None: dropped
+    return {**stats, "grad_norm": math.nan if grad_norm is None else grad_norm.item(),
+            "skipped": grad_norm is None and not precision.overflowed, **precision.metrics()}
 
 
 def evaluate_on_main(wrapped: parallel.Wrapped, tokenizer, dpo: DPOData, reference: SequenceLogps | None,
-                     cfg: DPOConfig, step: int, run: RunDir) -> dict:
-    """`evaluate` by rank 0 on the whole model (as one process would), its metrics sent to every rank."""
-    with wrapped.gathered() as whole:
+                     cfg: DPOConfig, step: int, run: RunDir, precision: MixedPrecision | None = None) -> dict:
+    """`evaluate` by rank 0 on the whole model (as one process would), its metrics sent to every rank; under
+    the autocast of the training forward and of the reference log-probs."""
+    with wrapped.gathered() as whole, (precision or MixedPrecision()).autocast():
         return wrapped.world.from_main(
             lambda: evaluate(whole, tokenizer, dpo, reference, cfg, step, run, cfg.shared_prefix and can_pack(whole)))
 
@@ -271,6 +276,8 @@ def train(cfg: DPOConfig, run: RunDir | None = None) -> RunResult:
     started = time.time()
     world = parallel.init_world(cfg.device)
     check_dpo_config(cfg, world)
+    # before any model is loaded: what the device cannot do is refused here (models/precision.py)
+    precision = precision_from_config(cfg, world.device, parallel.resolve_strategy(cfg.parallel_strategy, world))
     configure_threads(world.threads(cfg.threads))
     seed_everything(cfg.seed, cfg.deterministic)
     # 1. policy and pairs, validated and tokenised before the run folder exists (every rank builds the same)
@@ -278,8 +285,10 @@ def train(cfg: DPOConfig, run: RunDir | None = None) -> RunResult:
     pad_id = tokenizer.pad_token_id
     dpo = load_dpo_data(cfg, tokenizer, world)
     world.check_same(dpo.train, "the tokenised training pairs")
-    # 2. reference log-probs, once (then no reference is resident)
-    references = reference_logps(cfg, policy, dpo, pad_id, world)
+    # 2. reference log-probs, once (then no reference is resident), under the training forward's autocast: the
+    # first step's implicit rewards are then exactly 0
+    with precision.autocast():
+        references = reference_logps(cfg, policy, dpo, pad_id, world)
     if cfg.lora_r > 0:
         policy = add_lora(cfg, policy)
     policy.train()
@@ -292,21 +301,24 @@ def train(cfg: DPOConfig, run: RunDir | None = None) -> RunResult:
     optimizer = wrapped.prepare(make_optimizer(wrapped.model.parameters(), cfg, fused=True), cfg.max_grad_norm)
     scheduler = make_scheduler(optimizer, cfg, total)
     batches = batch_stream([0] * len(dpo.train), cfg.batch_size, 0, random.Random(cfg.seed))  # lengths unused: no grouping
-    log.info("DPO (%s): %d train / %d validation pairs, %d steps x %d pairs%s", cfg.loss_type, len(dpo.train),
-             len(dpo.validation), total, cfg.batch_size, ", shared-prefix rows" if packed else "")
+    log.info("DPO (%s): %d train / %d validation pairs, %d steps x %d pairs, mixed precision %s%s", cfg.loss_type,
+             len(dpo.train), len(dpo.validation), total, cfg.batch_size, precision.mode,
+             ", shared-prefix rows" if packed else "")
     walls = {"setup": time.time() - started, "loop": 0.0, "evaluation": 0.0, "save": 0.0}
     if resumed is None:
-        first = evaluate_on_main(wrapped, tokenizer, dpo, references["validation"], cfg, 0, run)
+        first = evaluate_on_main(wrapped, tokenizer, dpo, references["validation"], cfg, 0, run, precision)
         walls["evaluation"] = time.time() - started - walls["setup"]
         progress = {"step": 0, "pairs_seen": 0, "first": first, "last_eval": first, "last": {}, "skipped": 0,
                     "loop_seconds": 0.0, "budget_stop": None}
     else:  # weights, optimiser, RNGs back; replay the data order of the steps done
         progress = unpack_single(resumed, wrapped, optimizer, scheduler)
         resumed.commit()  # only now cut the histories back, record the resume
+        precision.load_state_dict(progress.get("amp", {}))
         for _ in range(progress["step"]):
             next(batches)
     pairs_before = progress["pairs_seen"]
-    pack = lambda: pack_single(wrapped, optimizer, scheduler, progress)  # noqa: E731
+    pack = lambda: pack_single(wrapped, optimizer, scheduler,  # noqa: E731
+                               {**progress, "amp": precision.state_dict()})
     bar = tqdm(range(progress["step"] + 1, total + 1), desc=f"dpo ({cfg.loss_type})", unit="step",
                disable=not (cfg.progress and world.is_main))
     with checkpointer(run, cfg, resumed, wrapped, optimizer) as saver:  # SIGINT / SIGTERM handlers
@@ -317,7 +329,7 @@ def train(cfg: DPOConfig, run: RunDir | None = None) -> RunResult:
             stats, progress["skipped"] = guarded_step(
                 lambda: train_step(wrapped, optimizer, scheduler, [dpo.train[i] for i in batch_ids],
                                    select(references["train"], batch_ids) if references["train"] else None,
-                                   parallel.share_of(len(batch_ids), world), cfg, packed, pad_id),
+                                   parallel.share_of(len(batch_ids), world), cfg, packed, pad_id, precision),
                 f"DPO step {step}", f"train pairs {batch_ids}", progress["skipped"], cfg.nonfinite)
             progress["pairs_seen"] += len(batch_ids)
             progress["step"] = step
@@ -333,7 +345,7 @@ def train(cfg: DPOConfig, run: RunDir | None = None) -> RunResult:
                 bar.set_postfix(loss=f"{stats['loss']:.3f}", acc=f"{stats['rewards/accuracies']:.2f}")
             if (cfg.eval_every and step % cfg.eval_every == 0) or last_step:
                 progress["last_eval"] = evaluate_on_main(wrapped, tokenizer, dpo, references["validation"], cfg, step,
-                                                         run)
+                                                         run, precision)
             t2 = time.time()
             walls["evaluation"] += t2 - t1
             progress["loop_seconds"] += t2 - t0
@@ -353,7 +365,8 @@ def train(cfg: DPOConfig, run: RunDir | None = None) -> RunResult:
         model_dir = world.from_main(lambda: save_policy(whole, tokenizer, run.path, cfg.lora_r > 0))
     walls["save"] += time.time() - t3
     summary = run.update_summary(**summary_fields(cfg, dpo, progress, walls, started, pairs_before),
-                                 model_dir=str(model_dir), parallel={**wrapped.layout.describe(), **world.describe()})
+                                 model_dir=str(model_dir), parallel={**wrapped.layout.describe(), **world.describe()},
+                                 precision=precision.describe())
     run.close()
     return RunResult(run.path, summary, model_dir)
 

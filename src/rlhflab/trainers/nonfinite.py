@@ -5,6 +5,11 @@ the trainer adds the step and the batch's rows to the message, and no checkpoint
 is written after it (the CLI exits 3). `nonfinite="skip"`: the update is dropped (gradients
 zeroed, no AdamW step and no LR-schedule step, so the schedule counts applied updates only,
 as torch.amp's GradScaler does) and the trainer counts it in `nonfinite/skipped_updates`.
+
+fp16 (models/precision.py): the loss was scaled before backward; here the gradients are unscaled before
+clipping, and a step whose gradients are inf / NaN although the loss is finite is an expected overflow, not
+an error in either mode: skipped (no AdamW or LR-schedule step), counted in `amp/skipped_steps`, the scale
+halved. A non-finite loss is no overflow (the scale does not touch the forward) and follows `mode`.
 """
 
 from __future__ import annotations
@@ -14,21 +19,33 @@ import math
 import torch
 
 from rlhflab import parallel
+from rlhflab.models.precision import MixedPrecision, skip_overflow
 
 
 def clip_and_step(optimizer, scheduler, params, max_grad_norm: float, loss: float, mode: str,
-                  stage: str, engine: parallel.Wrapped | None = None) -> torch.Tensor | None:
-    """Clip the gradient norm, step AdamW and the LR schedule; the gradient norm, or None when skipped.
+                  stage: str, engine: parallel.Wrapped | None = None,
+                  precision: MixedPrecision | None = None) -> torch.Tensor | None:
+    """Clip the gradient norm, step AdamW and the LR schedule; the gradient norm, or None when skipped
+    (`precision.overflowed` then says whether fp16's scaler skipped it, module doc).
     `engine`: the trained model's Wrapped; when it steps itself (DeepSpeed) it clips and steps instead."""
-    if engine is not None and engine.steps_itself:
+    if precision is not None:
+        precision.overflowed = False
+    if engine is not None and engine.steps_itself:  # no scaler there: fp16 under DeepSpeed is refused at setup
         return engine_step(engine, scheduler, loss, mode, stage)
+    scaler = precision.scaler if precision is not None else None
     lr = scheduler.get_last_lr()[0]
     problem = f"non-finite {stage} loss {loss}" if not math.isfinite(loss) else None
     if problem is None:
+        if scaler is not None:
+            scaler.unscale_(optimizer)  # the gradients' true size before they are clipped
         clip = max_grad_norm if max_grad_norm > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(params, clip)
         if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor; the norm over every rank's shards
             grad_norm = grad_norm.full_tensor()
+        if not torch.isfinite(grad_norm) and scaler is not None:  # fp16 overflow: expected now and then
+            skip_overflow(precision)
+            optimizer.zero_grad(set_to_none=True)
+            return None
         if not torch.isfinite(grad_norm):
             problem = f"non-finite {stage} gradient norm"
     if problem is not None:
@@ -36,7 +53,11 @@ def clip_and_step(optimizer, scheduler, params, max_grad_norm: float, loss: floa
             raise FloatingPointError(f"{problem} at lr {lr:.2e}")
         optimizer.zero_grad(set_to_none=True)
         return None
-    optimizer.step()
+    if scaler is not None:
+        scaler.step(optimizer)  # steps: every gradient is finite (the norm over all ranks' is)
+        scaler.update()
+    else:
+        optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return grad_norm

@@ -34,7 +34,7 @@ from rlhflab.checkpoint import open_run
 from rlhflab.config import RMConfig
 from rlhflab.core import bradley_terry_loss, pass_fail_loss, reward_centering_penalty
 from rlhflab.errors import UserInputError
-from rlhflab.models.precision import float32_for_training
+from rlhflab.models.precision import MixedPrecision, float32_for_training, precision_from_config
 from rlhflab.rollout import GenerationSettings, generate_answers
 from rlhflab.tracking import RunDir, RunResult
 from rlhflab.trainers.nonfinite import clip_and_step, guarded_step
@@ -298,8 +298,8 @@ def evaluate_pairs(model, pairs: list[TokenizedPair], pad_id: int, batch_size: i
     for start in range(0, len(pairs), batch_size):
         batch = [pairs[i] for i in order[start : start + batch_size]]
         c, r = pair_scores(model, batch, pad_id, chunks=2, shared_prefix=shared_prefix)
-        chosen.append(c.cpu())
-        rejected.append(r.cpu())
+        chosen.append(c.float().cpu())  # float32 statistics of bf16 / fp16 scores under autocast
+        rejected.append(r.float().cpu())
     model.train()
     back = torch.argsort(torch.tensor(order))  # scores in the pairs' own order
     c, r = torch.cat(chosen)[back], torch.cat(rejected)[back]
@@ -376,15 +376,19 @@ def batch_loss(chosen: torch.Tensor, rejected: torch.Tensor, batch: list[Tokeniz
 
 
 def train_step(wrapped: parallel.Wrapped, optimizer, scheduler, batch: list[TokenizedPair], share: parallel.Share,
-               pad_id: int, cfg: RMConfig, shared_prefix: bool) -> dict:
+               pad_id: int, cfg: RMConfig, shared_prefix: bool, precision: MixedPrecision | None = None) -> dict:
     """One optimiser step on this rank's pairs of the global batch (`share.real` real ones, then padding).
 
     Each rank's loss is its mean weighted by its share of the global batch, so the parts sum to the
     global batch's mean loss (a last, partial batch splits unevenly). Accuracy and margin are means over the
     global batch's preference pairs: each rank sends its sums and its count (calibration rows are not pairs,
-    and ranks hold different numbers of them)."""
+    and ranks hold different numbers of them). The forward runs under `precision`'s autocast; the loss is
+    taken from float32 scores, the backward outside autocast (fp16: of the scaled loss)."""
+    precision = precision or MixedPrecision()
     chunks = cfg.length_chunks or max(1, len(batch) // PAIRS_PER_CHUNK)  # len(batch): the same on every rank
-    chosen, rejected = wrapped(pair_scores, batch, pad_id, chunks, shared_prefix)
+    with precision.autocast():
+        chosen, rejected = wrapped(pair_scores, batch, pad_id, chunks, shared_prefix)
+    chosen, rejected = chosen.float(), rejected.float()  # bf16 / fp16 scores under autocast
     chosen, rejected = chosen[: share.real], rejected[: share.real]  # padding rows carry no weight
     parts = {"loss/rm": 0.0, "accuracy_sum": 0.0, "margin_sum": 0.0, "pairs": 0.0}
     if share.real:
@@ -396,13 +400,14 @@ def train_step(wrapped: parallel.Wrapped, optimizer, scheduler, batch: list[Toke
             parts |= {"accuracy_sum": stats["accuracy"] * pairs, "margin_sum": stats["margin"] * pairs}
     else:  # no real pair here: a zero loss still runs backward, as every rank must
         part = (chosen.sum() + rejected.sum()) * 0.0  # both outputs: ZeRO-3 fetches weights per output in backward
-    wrapped.backward(part)
+    wrapped.backward(precision.scale(part))
     sums = parallel.sum_metrics(parts, wrapped.world)  # the global batch's
     per_pair = lambda key: sums[key] / sums["pairs"] if sums["pairs"] else math.nan  # noqa: E731
     stats = {"loss/rm": sums["loss/rm"], "rm/accuracy": per_pair("accuracy_sum"), "rm/margin": per_pair("margin_sum")}
     grad_norm = clip_and_step(optimizer, scheduler, wrapped.model.parameters(), cfg.max_grad_norm, stats["loss/rm"],
-                              cfg.nonfinite, "reward-model", engine=wrapped)  # None: update dropped
-    return {**stats, "grad_norm": math.nan if grad_norm is None else grad_norm.item(), "skipped": grad_norm is None}
+                              cfg.nonfinite, "reward-model", engine=wrapped, precision=precision)  # None: dropped
+    return {**stats, "grad_norm": math.nan if grad_norm is None else grad_norm.item(),
+            "skipped": grad_norm is None and not precision.overflowed, **precision.metrics()}
 
 
 def train(cfg: RMConfig, run: RunDir | None = None) -> RunResult:
@@ -425,6 +430,8 @@ def train(cfg: RMConfig, run: RunDir | None = None) -> RunResult:
         raise UserInputError("weight averaging keeps whole weights, which FSDP2 / DeepSpeed shard",
                              "--average_weights",
                              "use --parallel_strategy ddp, or --average_weights 0")
+    # before any model is loaded: what the device cannot do is refused here (models/precision.py)
+    precision = precision_from_config(cfg, world.device, parallel.resolve_strategy(cfg.parallel_strategy, world))
     configure_threads(world.threads(cfg.threads))
     seed_everything(cfg.seed, cfg.deterministic)
     # 1. backbone -> scalar reward model (score head: small normal, zero bias)
@@ -450,7 +457,7 @@ def train(cfg: RMConfig, run: RunDir | None = None) -> RunResult:
     optimizer = wrapped.prepare(optimizer, cfg.max_grad_norm)
     scheduler = make_scheduler(optimizer, cfg, total)
     rng = random.Random(cfg.seed)
-    log.info("reward model: %d train pairs, %d steps", len(pairs["train"]), total)
+    log.info("reward model: %d train pairs, %d steps, mixed precision %s", len(pairs["train"]), total, precision.mode)
     together = cfg.prompt_rows_together if shared_prefix else 0
     if cfg.prompt_rows_together and not shared_prefix:  # side by side would cost agreement and save nothing
         log.info("reward model: prompt_rows_together needs the grouped scorer (shared_prefix), which this model "
@@ -461,10 +468,12 @@ def train(cfg: RMConfig, run: RunDir | None = None) -> RunResult:
         progress = unpack_single(resumed, wrapped, optimizer, scheduler)
         resumed.commit()  # only now cut the histories back, record the resume
         done, skipped, average_state = progress["step"], progress.get("skipped", 0), progress.get("average")
+        precision.load_state_dict(progress.get("amp", {}))
     average = WeightAverage(model, average_state)
     average_from = first_averaged_step(total, cfg.average_weights)
     pack = lambda: pack_single(wrapped, optimizer, scheduler,  # noqa: E731
-                               {"step": done, "skipped": skipped, "average": average.state()})
+                               {"step": done, "skipped": skipped, "average": average.state(),
+                                "amp": precision.state_dict()})
 
     # 3. epochs over shuffled pairs (a resumed run replays the shuffles and skips the steps done)
     step = 0
@@ -484,7 +493,7 @@ def train(cfg: RMConfig, run: RunDir | None = None) -> RunResult:
                 batch = [pairs["train"][i] for i in parallel.take(batch_ids, share)]
                 stats, skipped = guarded_step(
                     lambda: train_step(wrapped, optimizer, scheduler, batch, share, tokenizer.pad_token_id, cfg,
-                                       shared_prefix),
+                                       shared_prefix, precision),
                     f"reward-model step {step}", f"train pairs {batch_ids}", skipped, cfg.nonfinite)
                 if step % cfg.log_every == 0 or step == total:
                     run.log({**stats, "lr": scheduler.get_last_lr()[0]}, step=step)
@@ -502,14 +511,15 @@ def train(cfg: RMConfig, run: RunDir | None = None) -> RunResult:
 
     # 4. held-out metrics per split, then the model as an ordinary HF folder (rank 0, on the whole model)
     model_dir = run.path / "model"
-    with wrapped.gathered() as whole:
+    with wrapped.gathered() as whole, precision.autocast():  # held-out scores as the training forward gives them
         metrics = world.from_main(lambda: held_out_and_save(whole, tokenizer, pairs, cfg, model_dir))
     run.log({f"{split}/{k}": v[k] for split, v in metrics.items() for k in ("accuracy", "margin")}, step=step)
     summary = run.update_summary(stage="rm", steps=step, pairs=metrics, train_pairs=len(pairs["train"]),
                                  averaged_steps=average.count, shared_prefix=shared_prefix,
                                  wall_time_s={"rm": round(time.time() - started, 1)}, model_dir=str(model_dir),
                                  nonfinite={"mode": cfg.nonfinite, "skipped_updates": skipped},
-                                 parallel={**wrapped.layout.describe(), **world.describe()})
+                                 parallel={**wrapped.layout.describe(), **world.describe()},
+                                 precision=precision.describe())
     run.close()
     return RunResult(run.path, summary, model_dir)
 

@@ -32,6 +32,7 @@ from rlhflab.checkpoint import open_run
 from rlhflab.config import SFTConfig
 from rlhflab.data.prompt_rows import PromptRow
 from rlhflab.errors import UserInputError
+from rlhflab.models.precision import MixedPrecision, precision_from_config
 from rlhflab.tracking import RunDir, RunResult
 from rlhflab.trainers.nonfinite import clip_and_step, guarded_step
 from rlhflab.trainers.single_state import checkpointer, pack_single, unpack_single
@@ -94,22 +95,20 @@ def held_out_examples(examples: list, seed: int, share: float = 0.05) -> tuple[l
 
 
 def completion_loss_sum(model: torch.nn.Module, batch: data.SFTBatch) -> torch.Tensor:
-    """Summed cross-entropy over completion tokens (labels != -100)."""
+    """Summed cross-entropy over completion tokens (labels != -100): minus their summed log-probs, taken chunk by
+    chunk at a large vocabulary (models/token_head.py), so no (B, L, V) float32 tensor is formed."""
     device = next(model.parameters()).device
     input_ids, attention, labels = (t.to(device) for t in (batch.input_ids, batch.attention_mask, batch.labels))
-    logits = model(input_ids=input_ids, attention_mask=attention).logits  # (B, L, V)
-    return F.cross_entropy(
-        logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
-        labels[:, 1:].reshape(-1),
-        ignore_index=-100,
-        reduction="sum",
-    )
+    scores = models.head_inputs(model, input_ids, attention)  # predicts (B, L) positions
+    targets = labels[:, 1:]
+    trained = targets != -100
+    return -models.token_logprobs(scores[:, :-1][trained], targets[trained]).sum()
 
 
 def packed_loss_sum(model: torch.nn.Module, packed: models.PackedSequences) -> torch.Tensor:
     """`completion_loss_sum` of packed rows (models/packed_sequences.py): the same sum, no padding run."""
-    logits, targets = models.packed_target_logits(model, packed)  # (N, V), (N,)
-    return F.cross_entropy(logits.float(), targets, reduction="sum")
+    scores, targets = models.packed_target_logits(model, packed)  # predicts (N,) positions, (N,) targets
+    return -models.token_logprobs(scores, targets).sum()
 
 
 def micro_batches(examples: list[data.TokenizedSFT], pad_id: int, parts: int,
@@ -131,26 +130,29 @@ def micro_batches(examples: list[data.TokenizedSFT], pad_id: int, parts: int,
 
 
 def train_step(wrapped: parallel.Wrapped, optimizer, scheduler, examples: list[data.TokenizedSFT], pad_id: int,
-               cfg: SFTConfig, packing: bool = False) -> dict:
+               cfg: SFTConfig, packing: bool = False, precision: MixedPrecision | None = None) -> dict:
     """One optimiser step over `examples` (this rank's block of the global batch), in
-    gradient_accumulation_steps micro-batches (`micro_batches`, packed or padded).
+    gradient_accumulation_steps micro-batches (`micro_batches`, packed or padded); forwards under
+    `precision`'s autocast, backwards outside it (fp16: of the scaled loss).
 
     The loss is normalised over the whole step (every rank's tokens), so the gradient is the one
     big batch's whatever the micro-batches and packing."""
     batches = micro_batches(examples, pad_id, cfg.gradient_accumulation_steps, packing)
     loss_fn = packed_loss_sum if packing else completion_loss_sum
     total_tokens = parallel.total(sum(b.num_label_tokens for b in batches), wrapped.world)  # the global count
+    precision = precision or MixedPrecision()
     loss_sum = 0.0
     for i, batch in enumerate(batches):
         with wrapped.sync(i == len(batches) - 1):  # gradients cross ranks once, after the last micro-batch
-            loss = wrapped(loss_fn, batch) / total_tokens
-            wrapped.backward(loss)
+            with precision.autocast():
+                loss = wrapped(loss_fn, batch) / total_tokens
+            wrapped.backward(precision.scale(loss))
         loss_sum += loss.item()
     loss_sum = parallel.total(loss_sum, wrapped.world)  # the global loss on every rank: all agree on a non-finite one
     grad_norm = clip_and_step(optimizer, scheduler, wrapped.model.parameters(), cfg.max_grad_norm, loss_sum,
-                              cfg.nonfinite, "SFT", engine=wrapped)  # None: a non-finite update was dropped
+                              cfg.nonfinite, "SFT", engine=wrapped, precision=precision)  # None: dropped
     return {"loss/sft": loss_sum, "grad_norm": math.nan if grad_norm is None else grad_norm.item(),
-            "tokens": total_tokens, "skipped": grad_norm is None}
+            "tokens": total_tokens, "skipped": grad_norm is None and not precision.overflowed, **precision.metrics()}
 
 
 def use_packing(cfg: SFTConfig, model, same_passes: bool = False) -> bool:
@@ -180,9 +182,11 @@ def validation_loss(model, examples: list[data.TokenizedSFT], pad_id: int, batch
     return loss_sum / max(tokens, 1)
 
 
-def evaluate_now(wrapped: parallel.Wrapped, tokenizer, sft_data: SFTData, cfg, step: int, run: RunDir) -> dict:
-    """Held-out metrics, computed by rank 0 on the whole model (as one process would) and sent to every rank."""
-    with wrapped.gathered() as model:
+def evaluate_now(wrapped: parallel.Wrapped, tokenizer, sft_data: SFTData, cfg, step: int, run: RunDir,
+                 precision: MixedPrecision | None = None) -> dict:
+    """Held-out metrics, computed by rank 0 on the whole model (as one process would) and sent to every rank,
+    under the training forward's autocast."""
+    with wrapped.gathered() as model, (precision or MixedPrecision()).autocast():
         return wrapped.world.from_main(lambda: held_out_metrics(model, tokenizer, sft_data, cfg, step, run))
 
 
@@ -232,6 +236,8 @@ def train(cfg: SFTConfig, run: RunDir | None = None) -> RunResult:
     if cfg.max_steps < 1 or cfg.batch_size < 1 or cfg.gradient_accumulation_steps < 1:
         raise UserInputError("max_steps, batch_size and gradient_accumulation_steps must be >= 1", "sft config")
     parallel.local_batch_size(cfg.batch_size, world)  # a batch that does not divide over the ranks is refused
+    # before any model is loaded: what the device cannot do is refused here (models/precision.py)
+    precision = precision_from_config(cfg, world.device, parallel.resolve_strategy(cfg.parallel_strategy, world))
     # 1. model and tokenizer (the tiny default is built from the suite's templates)
     model, tokenizer = load_or_build_policy(cfg)
     model.to(world.device)
@@ -249,8 +255,8 @@ def train(cfg: SFTConfig, run: RunDir | None = None) -> RunResult:
     optimizer = make_optimizer(wrapped.model.parameters(), cfg, fused=not wrapped.layout.sharded)
     optimizer = wrapped.prepare(optimizer, cfg.max_grad_norm)
     scheduler = make_scheduler(optimizer, cfg, cfg.max_steps)
-    log.info("SFT: %d train / %d validation sequences, %d steps x %d (%s)", len(sft_data.train),
-             len(sft_data.validation), cfg.max_steps, cfg.batch_size, wrapped.layout.describe())
+    log.info("SFT: %d train / %d validation sequences, %d steps x %d, mixed precision %s (%s)", len(sft_data.train),
+             len(sft_data.validation), cfg.max_steps, cfg.batch_size, precision.mode, wrapped.layout.describe())
 
     lengths = [len(e.prompt_ids) + len(e.completion_ids) for e in sft_data.train]
     batches = batch_stream(lengths, cfg.batch_size, cfg.group_by_length, order_rng)
@@ -260,10 +266,12 @@ def train(cfg: SFTConfig, run: RunDir | None = None) -> RunResult:
         resumed.commit()  # only now cut the histories back, record the resume
         done, stats, metrics = progress["step"], progress["stats"], progress["metrics"]
         skipped = progress.get("skipped", 0)
+        precision.load_state_dict(progress.get("amp", {}))
         for _ in range(done):
             next(batches)
     pack = lambda: pack_single(wrapped, optimizer, scheduler,  # noqa: E731
-                               {"step": done, "stats": stats, "metrics": metrics, "skipped": skipped})
+                               {"step": done, "stats": stats, "metrics": metrics, "skipped": skipped,
+                                "amp": precision.state_dict()})
     bar = tqdm(range(done + 1, cfg.max_steps + 1), desc="sft", unit="step", disable=not (cfg.progress and world.is_main))
     with checkpointer(run, cfg, resumed, wrapped, optimizer) as saver:  # SIGINT / SIGTERM handlers
         for step in bar:
@@ -272,14 +280,15 @@ def train(cfg: SFTConfig, run: RunDir | None = None) -> RunResult:
             # 4. one optimiser step with completion-only loss (a non-finite one stops the run or is dropped)
             batch = [sft_data.train[i] for i in parallel.take(batch_ids, parallel.share_of(len(batch_ids), world))]
             stats, skipped = guarded_step(
-                lambda: train_step(wrapped, optimizer, scheduler, batch, tokenizer.pad_token_id, cfg, packing),
+                lambda: train_step(wrapped, optimizer, scheduler, batch, tokenizer.pad_token_id, cfg, packing,
+                                   precision),
                 f"SFT step {step}", f"train examples {batch_ids}", skipped, cfg.nonfinite)
             if step % cfg.log_every == 0 or step == cfg.max_steps:
                 run.log({**stats, "lr": scheduler.get_last_lr()[0], "elapsed_s": time.time() - started}, step=step)
                 bar.set_postfix(loss=f"{stats['loss/sft']:.3f}")
             # 5. periodic validation: loss on reference answers and checked pass rate
             if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.max_steps:
-                metrics = evaluate_now(wrapped, tokenizer, sft_data, cfg, step, run)
+                metrics = evaluate_now(wrapped, tokenizer, sft_data, cfg, step, run, precision)
                 bar.set_postfix(loss=f"{stats['loss/sft']:.3f}",
                                 **{k.replace("/", "_"): f"{v:.3f}" for k, v in metrics.items()})
             # 6. checkpoint when due, or when SIGINT / SIGTERM asked (then raises Interrupted)
@@ -301,6 +310,7 @@ def train(cfg: SFTConfig, run: RunDir | None = None) -> RunResult:
         nonfinite={"mode": cfg.nonfinite, "skipped_updates": skipped},
         parallel={**wrapped.layout.describe(), **world.describe()},
         packing=packing,
+        precision=precision.describe(),
     )
     run.close()
     return RunResult(run.path, summary, model_dir)

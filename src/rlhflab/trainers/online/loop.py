@@ -32,7 +32,9 @@ from rlhflab.checkpoint import Checkpointer, open_run
 from rlhflab.core import masked_mean
 from rlhflab.data.prompt_rows import PromptRow
 from rlhflab.errors import UserInputError
+from rlhflab.models.precision import precision_from_config
 from rlhflab.rollout import GenerationSettings, decode_responses
+from rlhflab.rollout.backends import generation_autocast
 from rlhflab.rollout.diversity import diversity_metrics
 from rlhflab.rollout.rollout import Rollout, collect_rollout
 from rlhflab.tracking import RunDir, RunResult
@@ -138,16 +140,19 @@ def train_online(cfg, algorithm: Algorithm, run: RunDir | None = None, reward_fn
     world = parallel.init_world(cfg.device)
     check_online_config(cfg, algorithm.epochs, algorithm.samples_per_prompt)
     check_world(cfg, algorithm.samples_per_prompt, algorithm.whole_groups, world)
+    # before any model is loaded: what the device cannot do is refused here (models/precision.py)
+    precision = precision_from_config(cfg, world.device, parallel.resolve_strategy(cfg.parallel_strategy, world))
     configure_threads(world.threads(cfg.threads))
     configure_allocator(cfg.mmap_threshold_mib)
     seed_everything(cfg.seed, cfg.deterministic)
-    roles, tokenizer = build_roles(cfg, critic=algorithm.critic)
+    roles, tokenizer = build_roles(cfg, critic=algorithm.critic, precision=precision)
     prompts = sources.prompt_splits(cfg, tokenizer)
     train_rows = prompts.train
     verifier = build_verifier(cfg, prompts)
     normalisation: dict = {}
     if reward_fn is None:
-        reward_fn, normalisation = build_reward(cfg, tokenizer, roles.policy, train_rows[: cfg.calibration_prompts])
+        reward_fn, normalisation = build_reward(cfg, tokenizer, roles.policy, train_rows[: cfg.calibration_prompts],
+                                                precision)
     prompt_ids = data.encode_prompts(tokenizer, [r.prompt for r in train_rows])
     world.check_same(prompt_ids, "the tokenised train prompts")
     ranks = wrap_roles(roles, cfg, world)  # before the optimiser: FSDP2 replaces the parameters
@@ -159,6 +164,8 @@ def train_online(cfg, algorithm: Algorithm, run: RunDir | None = None, reward_fn
     optimizer = ranks.trained.prepare(optimizer, cfg.max_grad_norm)  # DeepSpeed: its engine, around this AdamW
     scheduler = make_scheduler(optimizer, cfg, num_updates * algorithm.epochs * cfg.num_mini_batches)
     generator = torch.Generator().manual_seed(cfg.seed)  # prompt order and minibatches (the same on every rank)
+    log.info("%s: %d updates x %d responses (%d per prompt), mixed precision %s (%s)", algorithm.name.upper(),
+             num_updates, cfg.batch_size, group, precision.mode, ranks.layout.describe())
     # Rollouts sample from the full softmax: with top-k / top-p the sampling policy would
     # not be the one whose log-probs the loss uses. top_k / top_p apply to evaluation only.
     settings = GenerationSettings(cfg.response_length, True, cfg.temperature, top_k=0, top_p=1.0)
@@ -175,12 +182,12 @@ def train_online(cfg, algorithm: Algorithm, run: RunDir | None = None, reward_fn
     generators = {"order": generator}  # token sampling: a generator of its own per update (ranks.rollout_generator)
 
     def evaluate(update: int, episode: int) -> dict:
-        """The held-out evaluation, by rank 0 on the whole policy; its numbers on every rank."""
-        with ranks.whole_policy(on_every_rank=False) as policy:
+        """The held-out evaluation, by rank 0 on the whole policy, sampling as rollouts do; its numbers on every rank."""
+        with ranks.whole_policy(on_every_rank=False) as policy, generation_autocast(policy, precision.autocast):
             return world.from_main(lambda: evaluator.evaluate(policy, step=update, episode=episode))
 
     if resumed is None:  # what the starting policy gives RL to reinforce, per family: RUN/headroom.json (in setup)
-        with ranks.whole_policy(on_every_rank=False) as policy:
+        with ranks.whole_policy(on_every_rank=False) as policy, generation_autocast(policy, precision.autocast):
             world.from_main(lambda: record_start_headroom(policy, tokenizer, prompts.validation, verifier, cfg, run))
     # wall time split for summary.json: loading and building, the updates themselves (steps 1-6 up
     # to logging: what a throughput figure divides by), evaluations, checkpoints + the final save
@@ -249,6 +256,7 @@ def train_online(cfg, algorithm: Algorithm, run: RunDir | None = None, reward_fn
                 "time/generation": rollout.seconds["generation"],
                 "time/scoring": rollout.seconds["forward"] + (t2 - t1), "time/training": t3 - t2,
                 **({"nonfinite/skipped_updates": skipped} if cfg.nonfinite == "skip" else {}),
+                **precision.metrics(),  # fp16: amp/scale, amp/skipped_steps
             }
             run.log(last, step=update)
             watch.observe(update, last)
@@ -300,6 +308,7 @@ def train_online(cfg, algorithm: Algorithm, run: RunDir | None = None, reward_fn
         model_dir=str(model_dir), **monitored, budget_stop=budget_stop,
         nonfinite={"mode": cfg.nonfinite, "skipped_updates": skipped},
         parallel={**ranks.layout.describe(), **world.describe()},
+        precision=precision.describe(),
     )
     run.close()
     return RunResult(run.path, summary, model_dir)

@@ -14,8 +14,7 @@ from contextlib import nullcontext
 
 import torch
 
-from rlhflab import parallel
-from rlhflab.core.logprobs import selective_log_softmax
+from rlhflab import models, parallel
 from rlhflab.trainers.nonfinite import clip_and_step
 from rlhflab.trainers.online.algorithm import Algorithm, ScoredRollout, StepShare
 from rlhflab.trainers.online.ranks import merged_history, micro_batches, micro_cut
@@ -25,15 +24,15 @@ def micro_losses(algorithm: Algorithm, roles, batch: ScoredRollout, adv, idx, sh
                  forward: tuple | None = None):
     """Loss of one micro-batch `idx`, scaled by its share of the step.
 
-    `forward`: the rollout's own policy forward over all rows (`Rollout.policy_forward`), used
-    instead of running it again when the weights have not changed since."""
+    `forward`: the rollout's own policy forward over all rows (`Rollout.policy_forward`: log-probs and values),
+    used instead of running it again when the weights have not changed since."""
     rollout = batch.rollout
     q, qm, r, rm = (t[idx] for t in (rollout.query_ids, rollout.query_mask, rollout.response_ids, batch.mask))
     if forward is not None:
-        logits, values = forward[0][idx], (forward[1][idx] if forward[1] is not None else None)
+        logprobs, values = forward[0][idx], (forward[1][idx] if forward[1] is not None else None)
     else:
-        logits, values = roles.logits_and_values(q, qm, r, rm)
-    logprobs = selective_log_softmax(logits, r, temperature)
+        scores, values = roles.logits_and_values(q, qm, r, rm)
+        logprobs = models.token_logprobs(scores, r, temperature)
     return algorithm.loss(logprobs, values.float() if values is not None else None, batch, adv, idx, share)
 
 
@@ -43,8 +42,11 @@ def update_passes(algorithm: Algorithm, roles, optimizer, scheduler, batch: Scor
     """Step 5: algorithm.epochs x num_mini_batches optimiser steps; returns averaged stats, and under
     "skipped" how many of those steps a non-finite loss or gradient dropped (cfg.nonfinite == "skip";
     "stop" raises naming the rollout rows and `prompt_keys[row]`, their train-prompt indices).
-    `trained`: the engine around the trained modules when several processes train (None: one process)."""
+    `trained`: the engine around the trained modules when several processes train (None: one process).
+    The forwards run under the roles' autocast (`roles.precision`), the backwards outside it; fp16 scales each
+    loss before its backward, and a step the scaler skips is counted there (amp/skipped_steps), not here."""
     world = trained.world if trained is not None else parallel.SINGLE
+    precision = roles.precision
     roles.train(True)
     # FSDP2 may hold a layer unsharded between forwards: the optimiser's parameters are the sharded ones
     params = [p for g in optimizer.param_groups for p in g["params"]] if world.distributed and trained.layout.sharded \
@@ -77,20 +79,21 @@ def update_passes(algorithm: Algorithm, roles, optimizer, scheduler, batch: Scor
                             trained.drop_step(loss)
                         break
                     if trained is None:
-                        loss.backward()
+                        precision.scale(loss).backward()
                     else:  # a padding micro-batch runs with zero weight: the same collectives, no gradient
-                        trained.backward(loss if real else loss * 0.0)
+                        trained.backward(precision.scale(loss if real else loss * 0.0))
                 if real:
                     step_history.append(((epoch, start, position), stats))
             try:
                 grad_norm = clip_and_step(optimizer, scheduler, params, cfg.max_grad_norm, loss_value, cfg.nonfinite,
-                                          algorithm.name.upper(), engine=trained)  # DeepSpeed steps itself
+                                          algorithm.name.upper(), engine=trained,  # DeepSpeed steps itself
+                                          precision=precision)
             except FloatingPointError as err:
                 raise FloatingPointError(f"{algorithm.name.upper()} update {update}: {err} "
                                          f"({rows_named(rows.tolist(), prompt_keys)}); "
                                          "no checkpoint written after it") from err
             if grad_norm is None:  # dropped: its stats stay out of the averages
-                skipped += 1
+                skipped += not precision.overflowed
                 continue
             if step_history and step_history[-1][0][2] == count - 1:  # once per step, on its last micro-batch
                 step_history[-1][1]["grad_norm"] = grad_norm.detach()

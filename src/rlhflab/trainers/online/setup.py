@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from contextlib import nullcontext
 
 import torch
 
@@ -10,11 +11,11 @@ from rlhflab import models, rewards
 from rlhflab.config import OnlineFields
 from rlhflab.errors import UserInputError
 from rlhflab.rollout import GenerationSettings, generate_answers
-from rlhflab.rollout.backends import backend_from_config, check_backend, use_backend
+from rlhflab.rollout.backends import backend_from_config, check_backend, generation_autocast, use_backend
 from rlhflab.rollout.roles import PolicyRoles
 from rlhflab.data.prompt_rows import PromptRow
 from rlhflab.sources import PromptSplits
-from rlhflab.models.precision import float32_for_training
+from rlhflab.models.precision import MixedPrecision, float32_for_training, precision_from_config
 from rlhflab.trainers.headroom import check_probe_fields
 from rlhflab.trainers.setup import resolve_device
 
@@ -66,14 +67,18 @@ def _lora_targets(cfg: OnlineFields):
     return names if names == "all-linear" else [n.strip() for n in names.split(",") if n.strip()]
 
 
-def build_roles(cfg: OnlineFields, critic: bool = True) -> tuple[PolicyRoles, object]:
+def build_roles(cfg: OnlineFields, critic: bool = True,
+                precision: MixedPrecision | None = None) -> tuple[PolicyRoles, object]:
     """Policy (+ LoRA), reference (copy, reload or adapter-off) and, with a critic, value (shared, separate,
-    adapter: `cfg.value_mode`).
+    adapter: `cfg.value_mode`); every forward of them under `precision` (default: the config's, resolved here
+    before anything is loaded).
 
     Whatever trains whole weights (a policy without LoRA, a separate value model) is float32 even when
-    `dtype` is half, and a full-fine-tuning reference is cast like its policy (models/precision.py)."""
-    tokenizer = models.load_tokenizer(cfg.tokenizer or cfg.model, trust_remote_code=cfg.trust_remote_code)
+    `dtype` is half, and a full-fine-tuning reference is cast like its policy (models/precision.py): stored
+    in the policy's float32 too, so that under autocast both cast the same weights and KL == 0 at the start."""
     device = resolve_device(cfg.device)
+    precision = precision or precision_from_config(cfg, device)
+    tokenizer = models.load_tokenizer(cfg.tokenizer or cfg.model, trust_remote_code=cfg.trust_remote_code)
     load = lambda path: models.load_causal_lm(  # noqa: E731
         path, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code, device=device)
     policy = load(cfg.model)
@@ -113,7 +118,7 @@ def build_roles(cfg: OnlineFields, critic: bool = True) -> tuple[PolicyRoles, ob
                 models.enable_gradient_checkpointing(model, what)
     roles = PolicyRoles(policy, value_mode=value_mode, value_head=value_head, value_model=value_model,
                         reference=reference, load_reference=load_reference, lora=lora,
-                        merge_lora_for_generation=cfg.lora_merge_generation)
+                        merge_lora_for_generation=cfg.lora_merge_generation, precision=precision)
     longest = cfg.max_prompt_tokens + max(cfg.response_length, cfg.max_new_tokens)  # rollouts and validation
     use_backend(policy, backend_from_config(cfg, cfg.model, max_model_len=longest))
     return roles, tokenizer
@@ -129,8 +134,10 @@ def calibrate_reward_model(learned: rewards.ModelReward, policy, tokenizer, rows
     settings = GenerationSettings(cfg.response_length, True, cfg.temperature)
     generator = torch.Generator().manual_seed(cfg.seed + 1)
     prompts = [r.prompt for r in rows]
-    answers = generate_answers(policy, tokenizer, prompts, settings, generator=generator)
-    raw = rewards.ModelReward(learned.reward_model, learned.tokenizer)(prompts, [a.text for a in answers], rows).scores
+    with generation_autocast(policy, learned.autocast):  # the policy samples as it does in rollouts
+        answers = generate_answers(policy, tokenizer, prompts, settings, generator=generator)
+    raw = rewards.ModelReward(learned.reward_model, learned.tokenizer, autocast=learned.autocast)(
+        prompts, [a.text for a in answers], rows).scores
     shift, scale = raw.mean().item(), max(raw.std().item(), 1e-6)
     log.info("reward model normalised on %d answers of the starting policy: shift %.3f, scale %.3f",
              len(rows), shift, scale)
@@ -162,17 +169,20 @@ def reward_kind(cfg: OnlineFields) -> str:
     return "functions" if cfg.reward_fn.strip() else "checker"
 
 
-def build_reward(cfg: OnlineFields, tokenizer, policy=None, calibration_rows=None) -> tuple[object, dict]:
+def build_reward(cfg: OnlineFields, tokenizer, policy=None, calibration_rows=None,
+                 precision: MixedPrecision | None = None) -> tuple[object, dict]:
     """The reward source the config names (`reward`, `reward_model`, `reward_fn`) behind one call,
-    and how RM scores were normalised."""
+    and how RM scores were normalised. A reward model scores under `precision`'s autocast (its weights
+    stay in `--dtype`: frozen, they need no float32 master)."""
+    autocast = (precision or MixedPrecision()).autocast
     kind = reward_kind(cfg)
     parts = reward_functions(cfg)
     norm: dict = {}
     if kind == "random":
         rm = models.build_random_reward_model(tokenizer, seed=cfg.seed).to(resolve_device(cfg.device))
-        parts.insert(0, (rewards.ModelReward(rm, tokenizer), 1.0))
+        parts.insert(0, (rewards.ModelReward(rm, tokenizer, autocast=autocast), 1.0))
     if kind in ("model", "combined"):
-        learned, norm = learned_reward(cfg, tokenizer, policy, calibration_rows)
+        learned, norm = learned_reward(cfg, tokenizer, policy, calibration_rows, autocast)
         parts.insert(0, (learned, cfg.reward_model_weight if kind == "combined" or parts else 1.0))
     if kind in ("checker", "combined"):
         parts.insert(0, (rewards.CheckerReward(), cfg.checker_weight if kind == "combined" or parts else 1.0))
@@ -181,16 +191,17 @@ def build_reward(cfg: OnlineFields, tokenizer, policy=None, calibration_rows=Non
     return rewards.CombinedReward(parts), norm
 
 
-def learned_reward(cfg: OnlineFields, tokenizer, policy, calibration_rows) -> tuple[rewards.ModelReward, dict]:
+def learned_reward(cfg: OnlineFields, tokenizer, policy, calibration_rows,
+                   autocast=nullcontext) -> tuple[rewards.ModelReward, dict]:
     """The reward model as a source, normalised on the starting policy's answers when asked."""
     rm_tokenizer = models.load_tokenizer(cfg.reward_model, trust_remote_code=cfg.trust_remote_code)
     rm = models.load_reward_model(cfg.reward_model, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code,
                                   tokenizer=rm_tokenizer).to(resolve_device(cfg.device))
     norm = {"shift": cfg.reward_shift, "scale": cfg.reward_scale, "calibration_answers": 0}
-    learned = rewards.ModelReward(rm, rm_tokenizer, shift=norm["shift"], scale=norm["scale"])
+    learned = rewards.ModelReward(rm, rm_tokenizer, shift=norm["shift"], scale=norm["scale"], autocast=autocast)
     if cfg.normalize_reward and policy is not None and calibration_rows:
         norm = calibrate_reward_model(learned, policy, tokenizer, calibration_rows, cfg)
-        learned = rewards.ModelReward(rm, rm_tokenizer, shift=norm["shift"], scale=norm["scale"])
+        learned = rewards.ModelReward(rm, rm_tokenizer, shift=norm["shift"], scale=norm["scale"], autocast=autocast)
     return learned, norm
 
 

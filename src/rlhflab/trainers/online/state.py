@@ -52,7 +52,8 @@ def pack_online(roles: PolicyRoles, optimizer, scheduler, algorithm, generators:
                 progress: Progress, watch: RunWatch, sharded: bool = False) -> tuple[dict[str, torch.Tensor], dict]:
     """(weights, state) of a checkpoint; `sharded`: weights and moments are written apart by every rank."""
     state = {"scheduler": scheduler.state_dict(), "algorithm": algorithm.state_dict(), "rng": rng_state(generators),
-             "progress": dict(vars(progress)), "watch": watch.state_dict()}
+             "progress": dict(vars(progress)), "watch": watch.state_dict(),
+             "amp": roles.precision.state_dict()}  # fp16's loss scale and skipped steps
     if sharded:
         return {}, state
     return trainable_weights(role_modules(roles)), {"optimizer": optimizer.state_dict(), **state}
@@ -73,5 +74,6 @@ def unpack_online(resumed: Resumed, roles: PolicyRoles, optimizer, scheduler, al
         load_optimiser(optimizer, scheduler, state, where)  # config's lr etc.
     algorithm.load_state_dict(state["algorithm"])
     watch.load_state_dict(state["watch"])
+    roles.precision.load_state_dict(state.get("amp", {}))
     restore_rng(state["rng"], generators)
     return Progress(**state["progress"])
