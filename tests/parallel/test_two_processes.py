@@ -70,7 +70,13 @@ RUNS = {
     "dpo-ddp-sampled": (dpo_args, ["--parallel_strategy", "ddp", "--hard_negatives", "7"], 2),
     "dpo-ddp-lora": (dpo_args, ["--parallel_strategy", "ddp", "--lora_r", "4"], 2),
     "dpo-fsdp2-lora": (dpo_args, ["--parallel_strategy", "fsdp2", "--lora_r", "4"], 2),
+    # bf16 autocast inside the engines' forwards (models/precision.py), against a 1-process bf16 run
+    "sft-ddp-bf16": (sft_args, ["--parallel_strategy", "ddp", "--bf16"], 2),
+    "sft-fsdp2-bf16": (sft_args, ["--parallel_strategy", "fsdp2", "--bf16"], 2),
 }
+# bf16 rounds each rank's activations, whose matmuls see other batch shapes than one process's: measured max weight
+# difference after 6 steps 1.0e-4 (DDP) / 1.3e-4 (FSDP2), grad_norm 1.4e-4 relative; float32 stays under 1e-5
+TOLERANCE = {"float32": (1e-5, 1e-4), "bf16": (1e-3, 1e-3)}  # (max weight difference, metrics' relative tolerance)
 TRAINERS = {"sft": sft.train, "rm": reward.train, "dpo": dpo.train}
 # 2-process runs (same launch, no resume) of a RUNS entry plus flags that must not change what it trains: compared
 # with that entry's single-process run, made without them
@@ -106,7 +112,7 @@ def max_weight_difference(a: Path, b: Path) -> float:
     return max((left[k].float() - right[k].float()).abs().max().item() for k in left)
 
 
-def assert_same_metrics(one: list[dict], two: list[dict]) -> None:
+def assert_same_metrics(one: list[dict], two: list[dict], rel_tol: float = 1e-4) -> None:
     """The same rows and keys; numbers equal up to the float rounding of sums taken in another order.
 
     Except DPO's share of pairs with chosen reward > rejected while the policy is still the reference (step
@@ -117,7 +123,7 @@ def assert_same_metrics(one: list[dict], two: list[dict]) -> None:
         for key in a:
             if key.endswith("rewards/accuracies") and abs(a[key.replace("accuracies", "margins")]) < 1e-5:
                 continue
-            same = a[key] == b[key] or (isinstance(a[key], float) and math.isclose(a[key], b[key], rel_tol=1e-4,
+            same = a[key] == b[key] or (isinstance(a[key], float) and math.isclose(a[key], b[key], rel_tol=rel_tol,
                                                                                    abs_tol=1e-5))
             assert same, f"step {a['step']} {key}: {a[key]} (1 process) vs {b[key]} (2 processes)"
 
@@ -157,8 +163,10 @@ def test_two_processes_train_the_weights_and_metrics_of_one(runs, name):
     difference = max_weight_difference(run["one"] / "model", run["two"] / "model-uninterrupted")
     print(f"\n{name}: max |w_1 - w_2| = {difference:.2e}; wall {run['wall_one']:.1f} s (1 process), "
           f"{run['wall_two']:.1f} s (2 processes)")
-    assert difference <= 1e-5
-    assert_same_metrics(metric_rows(run["one"] / "metrics.jsonl"), metric_rows(run["two"] / "metrics-uninterrupted.jsonl"))
+    weights, metrics = TOLERANCE["bf16" if name.endswith("bf16") else "float32"]
+    assert difference <= weights
+    assert_same_metrics(metric_rows(run["one"] / "metrics.jsonl"), metric_rows(run["two"] / "metrics-uninterrupted.jsonl"),
+                        metrics)
     summary = json.loads((run["two"] / "summary.json").read_text())
     assert summary["parallel"]["world_size"] == 2 and summary["parallel"]["strategy"] == name.split("-")[1]
 

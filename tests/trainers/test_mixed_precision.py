@@ -180,6 +180,17 @@ def test_an_inf_gradient_under_fp16_is_skipped_counted_and_lowers_the_scale_in_e
     assert not precision.overflowed and not torch.equal(model.weight, weights["weight"])
 
 
+def test_an_inf_gradient_at_a_scale_below_one_is_no_overflow_and_stops_the_run():
+    model, optimizer, scheduler = linear_setup()
+    precision = MixedPrecision("fp16", "cpu")
+    loss = backward(model, precision)
+    precision.scaler.update(0.5)  # as after 17 overflows in a row
+    model.weight.grad[0, 0] = float("inf")
+    with pytest.raises(FloatingPointError, match="non-finite test gradient norm"):
+        clip_and_step(optimizer, scheduler, model.parameters(), 1.0, loss, "stop", "test", precision=precision)
+    assert precision.skipped_steps == 0
+
+
 def test_a_non_finite_loss_under_fp16_is_no_overflow_and_still_stops_the_run():
     model, optimizer, scheduler = linear_setup()
     precision = MixedPrecision("fp16", "cpu")

@@ -9,7 +9,8 @@ as torch.amp's GradScaler does) and the trainer counts it in `nonfinite/skipped_
 fp16 (models/precision.py): the loss was scaled before backward; here the gradients are unscaled before
 clipping, and a step whose gradients are inf / NaN although the loss is finite is an expected overflow, not
 an error in either mode: skipped (no AdamW or LR-schedule step), counted in `amp/skipped_steps`, the scale
-halved. A non-finite loss is no overflow (the scale does not touch the forward) and follows `mode`.
+halved. A non-finite loss is no overflow (the scale does not touch the forward) and follows `mode`, and so
+does a non-finite gradient once the scale is below `MIN_SCALE`: scaling no longer explains it.
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ import torch
 from rlhflab import parallel
 from rlhflab.models.precision import MixedPrecision, skip_overflow
 
+# Below a loss scale of 1 an inf / NaN gradient is no fp16 overflow of the scaled loss but a real one (torch's
+# GradScaler.update warns likewise): from 2**16 that is 17 overflows in a row without a good step between
+MIN_SCALE = 1.0
 
 def clip_and_step(optimizer, scheduler, params, max_grad_norm: float, loss: float, mode: str,
                   stage: str, engine: parallel.Wrapped | None = None,
@@ -42,7 +46,7 @@ def clip_and_step(optimizer, scheduler, params, max_grad_norm: float, loss: floa
         grad_norm = torch.nn.utils.clip_grad_norm_(params, clip)
         if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor; the norm over every rank's shards
             grad_norm = grad_norm.full_tensor()
-        if not torch.isfinite(grad_norm) and scaler is not None:  # fp16 overflow: expected now and then
+        if not torch.isfinite(grad_norm) and scaler is not None and scaler.get_scale() >= MIN_SCALE:  # expected
             skip_overflow(precision)
             optimizer.zero_grad(set_to_none=True)
             return None
