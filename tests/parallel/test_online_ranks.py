@@ -48,6 +48,11 @@ RUNS = {  # name -> (stage, strategy, the stage's own arguments)
     "ppo-fsdp2": ("ppo", "fsdp2", ["--learning_rate", "1e-3", "--adaptive_kl", "true", "--kl_target", "0.5"]),
     "rloo-ddp": ("rloo", "ddp", ["--num_generations", "4", "--learning_rate", "1e-2"]),
 }
+# one update of one minibatch (2 micro-batches a rank) under bf16 autocast, in the same launch: the first step's
+# ratio is exactly 1 and KL exactly 0 whatever the world size (DESIGN.md); name -> (RUNS entry, extra flags)
+FIRST_STEP_BF16 = {f"{name}-bf16": (name, ["--bf16", "--num_mini_batches", "1", "--total_episodes", "8",
+                                           *(["--num_ppo_epochs", "1"] if name.startswith("ppo") else [])])
+                   for name in ("grpo-ddp", "grpo-fsdp2", "ppo-ddp", "ppo-fsdp2")}
 
 
 def run_args(name: str, policy_dir: str, reward: str, out: Path, strategy: str | None = None) -> list[str]:
@@ -140,6 +145,8 @@ def two_processes(setup):
     work = root / "two"
     work.mkdir()
     specs = [json.dumps(run_args(name, policy_dir, reward, work / name)) for name in RUNS]
+    specs += [json.dumps([*run_args(like, policy_dir, reward, root / "bf16" / name), *flags])
+              for name, (like, flags) in FIRST_STEP_BF16.items()]  # outside `work`, whose listing a test checks
     started = time.time()
     finished(launch(work, str(DRIVER), *specs))
     return work, time.time() - started
@@ -166,6 +173,16 @@ def test_two_processes_train_what_one_process_trains(two_processes, one_process,
     summary = json.loads((work / name / "summary.json").read_text())
     assert summary["parallel"]["world_size"] == 2 and summary["parallel"]["strategy"] == strategy
     assert summary["updates"] == 3 and summary["episodes"] == 24  # global batches: 3 x 8 answers, not 3 x 16
+
+
+@pytest.mark.parametrize("name", list(FIRST_STEP_BF16))
+def test_the_first_step_under_bf16_in_two_processes_has_ratio_exactly_one_and_kl_exactly_zero(setup, two_processes,
+                                                                                               name):
+    run = setup[0] / "bf16" / name
+    first = next(r for r in metrics(run) if "objective/kl" in r)
+    assert first["objective/kl"] == 0.0
+    assert first["policy/ratio_min"] == first["policy/ratio_max"] == 1.0
+    assert json.loads((run / "summary.json").read_text())["precision"]["mixed_precision"] == "bf16"
 
 
 def test_rank_0_alone_writes_one_run_folder_and_checkpoints_record_their_layout(two_processes, one_process):

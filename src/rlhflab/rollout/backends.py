@@ -72,8 +72,10 @@ def backend_of(model: torch.nn.Module) -> GenerationBackend:
 
 def generation_autocast(model: torch.nn.Module, autocast: Callable[[], ContextManager]) -> ContextManager:
     """`autocast()` where `model`'s backend samples with this process's torch (lean, hf), so sampling runs in the
-    training forward's precision; vLLM samples in its own engine's dtype and is left alone."""
-    return autocast() if isinstance(backend_of(model), DecoderBackend) else nullcontext()
+    training forward's precision; vLLM samples in its own engine's dtype and is left alone. `model` None (a rank
+    that holds no whole policy and does not generate): autocast, harmlessly."""
+    in_process = model is None or isinstance(backend_of(model), DecoderBackend)
+    return autocast() if in_process else nullcontext()
 
 
 def generate_with(model: torch.nn.Module, prompts: list[list[int]], *, pad_id: int, eos_id: int,
