@@ -14,7 +14,6 @@ import yaml
 from rlhflab import data, models, tasks
 from rlhflab.config import PPOConfig, parse_config
 from rlhflab.core import kl_k1
-from rlhflab.core.logprobs import selective_log_softmax
 from rlhflab.rollout import GenerationSettings
 from rlhflab.rollout.rollout import collect_rollout
 from rlhflab.trainers import ppo
@@ -92,7 +91,7 @@ def test_bf16_first_step_is_exact_and_one_update_moves_every_float32_trainable_t
     assert torch.equal(kl_k1(rollout.logprobs, rollout.ref_logprobs, mask), torch.zeros_like(rollout.logprobs))
     roles.train(True)
     logits, _ = roles.logits_and_values(rollout.query_ids, rollout.query_mask, rollout.response_ids, mask)
-    ratio = torch.exp(selective_log_softmax(logits, rollout.response_ids, cfg.temperature) - rollout.logprobs)[mask]
+    ratio = torch.exp(models.token_logprobs(logits, rollout.response_ids, cfg.temperature) - rollout.logprobs)[mask]
     assert torch.equal(ratio, torch.ones_like(ratio))
 
     before = {name: p.detach().clone() for name, p in named}

@@ -19,7 +19,6 @@ import torch
 from torch import Tensor
 
 from rlhflab import models, parallel
-from rlhflab.core.logprobs import selective_log_softmax
 from rlhflab.models.packing import common_prefix_length
 from rlhflab.trainers.dpo_data import PreferencePair
 
@@ -123,14 +122,13 @@ def token_logps(model: torch.nn.Module, batch: PairBatch) -> Tensor:
         read, valid = models.read_columns(flags.view(rows, length))  # the last layer runs at the predictors only
         hidden = models.lean_hidden(plan, ids, mask, positions, allowed=allowed, read=read)  # (R, m, H)
         places = (torch.arange(rows, device=device)[:, None] * length + read)[valid]  # ascending flat positions
-        logits = plan.lm_head(hidden[valid][torch.searchsorted(places, predictors)])  # (N, V)
+        scores = models.HeadInputs.of(hidden[valid][torch.searchsorted(places, predictors)], plan.lm_head)  # (N,)
     else:
         if batch.allowed is not None:
             raise ValueError("packed pairs need a model the lean forward runs (see can_pack)")
-        logits = model(input_ids=ids, attention_mask=batch.attention_mask.to(device), position_ids=positions,
-                       use_cache=False).logits  # (R, L, V)
-        logits = logits.reshape(-1, logits.shape[-1])[predictors]  # (N, V)
-    return selective_log_softmax(logits, batch.targets.to(device))
+        scores = models.head_inputs(model, ids, batch.attention_mask.to(device), positions)  # predicts (R, L)
+        scores = scores.reshape(ids.numel(), -1)[predictors]  # (N,)
+    return models.token_logprobs(scores, batch.targets.to(device))
 
 
 def sequence_logps(model: torch.nn.Module, batch: PairBatch) -> SequenceLogps:
