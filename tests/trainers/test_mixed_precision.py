@@ -191,6 +191,27 @@ def test_an_inf_gradient_at_a_scale_below_one_is_no_overflow_and_stops_the_run()
     assert precision.skipped_steps == 0
 
 
+def test_real_non_finite_gradients_skipped_twice_under_fp16_keep_the_scaler_usable():
+    """--nonfinite skip at a scale below 1: each bad step is dropped (not an overflow) and the next one still
+    unscales and steps (a scaler left 'unscaled' would raise on the second)."""
+    model, optimizer, scheduler = linear_setup()
+    precision = MixedPrecision("fp16", "cpu")
+    backward(model, precision)  # the scaler's scale exists from its first scale()
+    optimizer.zero_grad(set_to_none=True)
+    precision.scaler.update(0.5)  # as after 17 overflows in a row
+    weights = copy.deepcopy(model.state_dict())
+    for _ in range(2):
+        loss = backward(model, precision)
+        model.weight.grad[0, 0] = float("nan")
+        assert clip_and_step(optimizer, scheduler, model.parameters(), 1.0, loss, "skip", "test",
+                             precision=precision) is None
+        assert precision.scaler.get_scale() == 0.5 and precision.skipped_steps == 0 and not precision.overflowed
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in weights.items())
+    assert clip_and_step(optimizer, scheduler, model.parameters(), 1.0, backward(model, precision), "skip", "test",
+                         precision=precision) is not None
+    assert not torch.equal(model.weight, weights["weight"])
+
+
 def test_a_non_finite_loss_under_fp16_is_no_overflow_and_still_stops_the_run():
     model, optimizer, scheduler = linear_setup()
     precision = MixedPrecision("fp16", "cpu")

@@ -98,6 +98,7 @@ class _ChunkedHead(torch.autograd.Function):
                 d_entropy[s:s + chunk] = -(spread.to(compute_dtype) @ w).float() / temperature
         if not entropy_grad:
             ctx.mark_non_differentiable(entropy)
+        ctx.set_materialize_grads(False)  # an output no loss reads gets None in the backward, not a zero tensor
         ctx.frozen = frozen
         ctx.settings = (temperature, chunk, compute_dtype)
         if frozen:
@@ -110,9 +111,9 @@ class _ChunkedHead(torch.autograd.Function):
     def backward(ctx, grad_logprobs, grad_entropy):
         if ctx.frozen:
             d_logprobs, d_entropy = ctx.saved_tensors
-            grad = d_logprobs * grad_logprobs[:, None] if grad_logprobs is not None else torch.zeros_like(d_logprobs)
+            grad = d_logprobs * grad_logprobs[:, None] if grad_logprobs is not None else None
             if grad_entropy is not None and d_entropy is not None:
-                grad = grad + d_entropy * grad_entropy[:, None]
+                grad = d_entropy * grad_entropy[:, None] + (grad if grad is not None else 0)
             return grad, None, None, None, None, None, None, None
         hidden, weight, bias, tokens, lse_all, entropy = ctx.saved_tensors
         temperature, chunk, compute_dtype = ctx.settings

@@ -49,9 +49,6 @@ class HeadInputs:
     def __getitem__(self, index) -> HeadInputs:
         return replace(self, hidden=self.hidden[index])
 
-    def detach(self) -> HeadInputs:
-        return replace(self, hidden=self.hidden.detach())
-
     def reshape(self, *positions_then_hidden: int) -> HeadInputs:
         """The positions laid out anew, as logits.reshape(..., -1) would lay out theirs (the last size: -1)."""
         return replace(self, hidden=self.hidden.reshape(*positions_then_hidden))
@@ -109,7 +106,7 @@ def _chunked(scores: HeadInputs, tokens: Tensor, temperature: float, entropy_gra
     linear = _linear_of(head)
     if linear is None:  # an adapted or unusual output layer: each chunk run again, as a module, in the backward
         with scores.autocast_context():
-            vocab = head(hidden.reshape(-1, hidden.shape[-1])[:1]).shape[-1]
+            vocab = getattr(head, "out_features", None) or head(hidden.reshape(-1, hidden.shape[-1])[:1]).shape[-1]
             return recomputed_head_logprobs(hidden, head, tokens, chunk=chunk_rows(vocab), temperature=temperature)
     return chunked_head_logprobs(hidden, linear.weight, tokens, chunk=chunk_rows(linear.out_features),
                                  temperature=temperature, bias=linear.bias,

@@ -55,8 +55,10 @@ class ValueHead(nn.Module):
         nn.init.zeros_(self.summary.bias)
 
     def forward(self, hidden: Tensor) -> Tensor:
-        # values in the head's dtype (fp32 by default) whatever the trunk's dtype
-        return self.summary(hidden.to(self.summary.weight.dtype)).squeeze(-1)
+        # values in the head's dtype (fp32 by default) whatever the trunk's dtype, and outside any autocast (mixed
+        # precision): an H -> 1 product costs nothing, and bf16 would round a value to ~3 significant digits
+        with torch.autocast(hidden.device.type, enabled=False):
+            return self.summary(hidden.to(self.summary.weight.dtype)).squeeze(-1)
 
 
 def last_hidden_state(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor) -> Tensor:

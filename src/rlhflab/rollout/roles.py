@@ -197,9 +197,28 @@ class PolicyRoles:
             hidden = models.last_hidden_state(self.policy, input_ids, attention, positions)
         return self.value_head(hidden[:, start:-1])
 
-    def logits_and_values(self, query_ids, query_mask, response_ids, response_mask) -> tuple[Tensor, Tensor | None]:
-        """Policy logits (B, T, V) and values (B, T) (None without a critic): one forward of the trained engine,
-        under the roles' autocast (then in bf16 / fp16: callers take log-probs and values in float32)."""
+    def logprobs_and_values(self, query_ids, query_mask, response_ids, response_mask, temperature: float,
+                            entropy: bool = False) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """log pi(a_t|s_t) (B, T) float32, the entropy (B, T) when asked (for logging: no gradient) and values
+        (B, T) (None without a critic): one forward of the trained engine under the roles' autocast. The log-probs
+        are taken inside that forward and adapter context, so the output layer runs there too (chunk by chunk at
+        a large vocabulary: models/token_head.py); what trains is never a (B, T, V) float32 tensor here."""
+        def forward():
+            with self._policy_adapter():
+                scores, values = self._logits_and_values(query_ids, query_mask, response_ids, response_mask)
+                if entropy:
+                    logprobs, entropies = models.token_logprobs_and_entropy(scores, response_ids, temperature)
+                    return logprobs, entropies.detach(), values
+                return models.token_logprobs(scores, response_ids, temperature), None, values
+
+        with self.precision.autocast():
+            return self.engines.trained(forward)
+
+    def logits_and_values(self, query_ids, query_mask, response_ids, response_mask
+                          ) -> tuple[Tensor | models.HeadInputs, Tensor | None]:
+        """What predicts each response token (`policy_forward`: `models.HeadInputs`, or (B, T, V) logits) and
+        values (B, T) (None without a critic), from one forward of the trained engine under the roles' autocast;
+        `logprobs_and_values` takes the log-probs inside that forward (what the loop uses)."""
         with self.precision.autocast():
             return self.engines.trained(
                 lambda: self._logits_and_values(query_ids, query_mask, response_ids, response_mask))
@@ -212,21 +231,20 @@ class PolicyRoles:
 
     @torch.no_grad()
     def reference_logprobs(self, query_ids, query_mask, response_ids, response_mask, temperature: float) -> Tensor:
-        """log pi_ref(a_t|s_t) for every response token (B, T), computed once per rollout."""
+        """log pi_ref(a_t|s_t) for every response token (B, T), computed once per rollout, under the policy's own
+        autocast (KL == 0 while policy == reference) and inside the reference's forward and adapter context."""
         args = (query_ids, query_mask, response_ids, response_mask)
-        with self.precision.autocast():  # the policy's own autocast: KL == 0 while policy == reference
-            logits = self._reference_logits(args)
-        return models.token_logprobs(logits, response_ids, temperature)
 
-    def _reference_logits(self, args: tuple) -> Tensor:
-        if self.lora:
-            def adapters_off() -> Tensor:
-                with models.adapters_off(self.policy):
-                    return self._response_logits(self.policy, *args)
+        def logprobs_of(model) -> Tensor:
+            return models.token_logprobs(self._response_logits(model, *args), response_ids, temperature)
 
-            logits = self.engines.trained(adapters_off)  # the reference is the trained policy's own base
-        elif self.reference is not None:
-            logits = self.engines.reference(lambda: self._response_logits(self.reference, *args))
-        else:  # reference_mode=reload: loaded for this call, whole on every process, freed after it
-            logits = self._response_logits(self.load_reference(), *args)
-        return logits
+        def adapters_off() -> Tensor:
+            with models.adapters_off(self.policy):
+                return logprobs_of(self.policy)
+
+        with self.precision.autocast():
+            if self.lora:  # the reference is the trained policy's own base
+                return self.engines.trained(adapters_off)
+            if self.reference is not None:
+                return self.engines.reference(lambda: logprobs_of(self.reference))
+            return logprobs_of(self.load_reference())  # reference_mode=reload: loaded for this call, then freed

@@ -9,7 +9,6 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from rlhflab import models
 from rlhflab.rollout.backends import generate_with, generation_autocast
 from rlhflab.rollout.generate import BatchPlace, Generated, GenerationSettings
 from rlhflab.rollout.roles import PolicyRoles
@@ -75,19 +74,16 @@ def collect_rollout(
     generated = time.time()
     q_ids, q_mask, r_ids, r_mask = out.query_ids, out.query_mask, out.response_ids, out.response_mask
     kept = None
+    rows = (q_ids, q_mask, r_ids, r_mask, settings.temperature)
     if keep_graph:  # the log-probs with their graph: the first training step reads them, the rollout their values
         roles.train(True)
         with torch.enable_grad():
-            scores, values = roles.logits_and_values(q_ids, q_mask, r_ids, r_mask)
-            logprobs, entropy = models.token_logprobs_and_entropy(scores, r_ids, settings.temperature)
+            logprobs, entropy, values = roles.logprobs_and_values(*rows, entropy=True)
         roles.train(False)
         kept = (logprobs, values)
-        logprobs, entropy = logprobs.detach(), entropy.detach()
-        values = values.detach() if values is not None else None
+        logprobs, values = logprobs.detach(), values.detach() if values is not None else None
     else:
-        scores, values = roles.logits_and_values(q_ids, q_mask, r_ids, r_mask)
-        logprobs, entropy = models.token_logprobs_and_entropy(scores, r_ids, settings.temperature)
-    del scores  # at a large vocabulary its logits were never formed whole; free its hidden states before the reference
+        logprobs, entropy, values = roles.logprobs_and_values(*rows, entropy=True)
     ref_logprobs = roles.reference_logprobs(q_ids, q_mask, r_ids, r_mask, settings.temperature)
     zero = torch.zeros((), dtype=logprobs.dtype)
     if values is None:  # no critic

@@ -55,6 +55,8 @@ def clip_and_step(optimizer, scheduler, params, max_grad_norm: float, loss: floa
     if problem is not None:
         if mode == "stop":
             raise FloatingPointError(f"{problem} at lr {lr:.2e}")
+        if scaler is not None:  # forget this step's unscale_ (the next step would refuse to unscale again)
+            scaler.update(scaler.get_scale())
         optimizer.zero_grad(set_to_none=True)
         return None
     if scaler is not None:

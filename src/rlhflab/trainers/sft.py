@@ -24,7 +24,6 @@ from typing import Iterator
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from rlhflab import data, models, parallel, rewards, sources

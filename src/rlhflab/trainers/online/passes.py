@@ -14,7 +14,7 @@ from contextlib import nullcontext
 
 import torch
 
-from rlhflab import models, parallel
+from rlhflab import parallel
 from rlhflab.trainers.nonfinite import clip_and_step
 from rlhflab.trainers.online.algorithm import Algorithm, ScoredRollout, StepShare
 from rlhflab.trainers.online.ranks import merged_history, micro_batches, micro_cut
@@ -31,8 +31,7 @@ def micro_losses(algorithm: Algorithm, roles, batch: ScoredRollout, adv, idx, sh
     if forward is not None:
         logprobs, values = forward[0][idx], (forward[1][idx] if forward[1] is not None else None)
     else:
-        scores, values = roles.logits_and_values(q, qm, r, rm)
-        logprobs = models.token_logprobs(scores, r, temperature)
+        logprobs, _, values = roles.logprobs_and_values(q, qm, r, rm, temperature)
     return algorithm.loss(logprobs, values.float() if values is not None else None, batch, adv, idx, share)
 
 
@@ -78,10 +77,7 @@ def update_passes(algorithm: Algorithm, roles, optimizer, scheduler, batch: Scor
                         if trained is not None:  # DeepSpeed: its step drops what it accumulated (every rank)
                             trained.drop_step(loss)
                         break
-                    if trained is None:
-                        precision.scale(loss).backward()
-                    else:  # a padding micro-batch runs with zero weight: the same collectives, no gradient
-                        trained.backward(precision.scale(loss if real else loss * 0.0))
+                    backward(loss, real, trained, precision)
                 if real:
                     step_history.append(((epoch, start, position), stats))
             try:
@@ -99,6 +95,15 @@ def update_passes(algorithm: Algorithm, roles, optimizer, scheduler, batch: Scor
                 step_history[-1][1]["grad_norm"] = grad_norm.detach()
             history.extend(step_history)
     return {**average_stats(merged_history(history, world)), "skipped": skipped}
+
+
+def backward(loss: torch.Tensor, real: bool, trained: parallel.Wrapped | None, precision) -> None:
+    """The micro-batch's backward (of the fp16-scaled loss); through the engine when several processes train,
+    where a padding micro-batch runs with zero weight: the same collectives, no gradient."""
+    if trained is None:
+        precision.scale(loss).backward()
+    else:
+        trained.backward(precision.scale(loss if real else loss * 0.0))
 
 
 def shuffled_rows(size: int, group: int, generator) -> torch.Tensor:
