@@ -114,3 +114,15 @@ def test_bf16_compute_dtype_matches_bf16_autocast_logits():
     want = selective_log_softmax(logits, tokens)
     got, _ = chunked_head_logprobs(hidden, weight, tokens, chunk=4, compute_dtype=torch.bfloat16)
     torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+
+
+def test_bf16_trained_head_gradients_match_bf16_autocast():
+    """A trained head under bf16: the weight's gradient, summed chunk by chunk in float32 from bf16 products, is
+    the autocast path's to bf16 rounding; the hidden states' too."""
+    hidden, weight, _, tokens = _inputs(False)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = selective_log_softmax(torch.nn.functional.linear(hidden, weight), tokens)
+    got, _ = chunked_head_logprobs(hidden, weight, tokens, chunk=4, compute_dtype=torch.bfloat16)
+    for x, y in zip(torch.autograd.grad(got.sum(), [hidden, weight]), torch.autograd.grad(want.sum(), [hidden, weight])):
+        assert x.dtype == y.dtype == torch.float32
+        torch.testing.assert_close(x, y, atol=2e-2, rtol=2e-2)

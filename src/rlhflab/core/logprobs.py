@@ -123,6 +123,9 @@ class _ChunkedHead(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden) if want_hidden else None
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if want_weight else None
         grad_bias = torch.zeros_like(bias, dtype=torch.float32) if want_bias else None
+        # a (V, H) product per chunk goes into one buffer (bf16) or straight into the float32 sum: no new (V, H)
+        # tensor per chunk (at 151,936 x 896 each is 0.5 GB, and the peak of a full fine-tuning step)
+        product = None
         for s in range(0, hidden.shape[0], chunk):
             h, tok = hidden[s:s + chunk], tokens[s:s + chunk]
             logits = _chunk_logits(h, w, b, temperature, compute_dtype)
@@ -140,8 +143,11 @@ class _ChunkedHead(torch.autograd.Function):
             low = grad.to(compute_dtype)
             if want_hidden:
                 grad_hidden[s:s + chunk] = (low @ w).to(hidden.dtype)
-            if want_weight:
-                grad_weight += (low.T @ h.to(compute_dtype)).float()
+            if want_weight and compute_dtype == torch.float32:
+                grad_weight.addmm_(low.T, h.to(compute_dtype))
+            elif want_weight:
+                product = torch.mm(low.T, h.to(compute_dtype), out=product)
+                grad_weight += product
             if want_bias:
                 grad_bias += grad.sum(dim=0)
         return (grad_hidden, grad_weight.to(weight.dtype) if want_weight else None,
