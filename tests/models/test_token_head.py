@@ -129,3 +129,17 @@ def test_dpo_token_logps_chunked_equal_whole(monkeypatch, packed):
         return logps.detach(), torch.autograd.grad(logps.sum(), params)
 
     assert_same(*both_ways(monkeypatch, len(tokenizer), compute))
+
+
+def test_logits_chunk_mib_sets_the_chunks_and_zero_forms_the_logits_whole(monkeypatch):
+    monkeypatch.setattr(token_head, "LOGITS_CHUNK_BYTES", token_head.LOGITS_CHUNK_BYTES)  # restored after the test
+    models.configure_logits_chunks(1)
+    assert token_head.LOGITS_CHUNK_BYTES == 1 << 20 and token_head.chunk_rows(151936) == 1
+    used = chunked(monkeypatch, 3, 50)
+    models.configure_logits_chunks(0)
+    hidden, weight = torch.randn(4, 5, 8), torch.nn.Linear(8, 50, bias=False)
+    tokens = torch.randint(0, 50, (4, 5))
+    got = models.token_logprobs(models.HeadInputs(hidden, weight), tokens)
+    assert used == []  # whole, though 20 positions are more than 3 a chunk
+    want = torch.log_softmax(weight(hidden), dim=-1).gather(-1, tokens[..., None])[..., 0]
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)

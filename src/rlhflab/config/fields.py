@@ -138,6 +138,10 @@ class PrecisionFields:
     gradient_checkpointing: bool = arg(
         False, "recompute each decoder layer's activations in the backward instead of keeping them (policy, value "
                "model and reward model; use_reentrant=False): less activation memory for about one more forward")
+    logits_chunk_mib: int = arg(
+        64, "token log-probs: form the logits of at most this many MiB of float32 at once; more positions than that "
+            "go chunk by chunk, so no (batch x tokens x vocabulary) tensor is held (README \"PPO memory modes\"); "
+            "0 = always form them whole")
 
 
 @dataclass(frozen=True)

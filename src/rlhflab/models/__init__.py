@@ -17,7 +17,8 @@ from rlhflab.models.prompt_groups import PackedGroups, pack_groups
 from rlhflab.models.packed_sequences import PackedSequences, can_pack_sequences, fill_rows, pack_rows, pack_sequences
 from rlhflab.models.packed_sequences import packed_target_logits
 from rlhflab.models.shared_prompt import distinct_prompts, shared_prompt_logits
-from rlhflab.models.token_head import HeadInputs, head_inputs, output_layer, token_logprobs
+from rlhflab.models.token_head import HeadInputs, configure_logits_chunks, head_inputs, output_layer
+from rlhflab.models.token_head import token_logprobs
 from rlhflab.models.token_head import token_logprobs_and_entropy
 from rlhflab.models.tiny_model import TINY_ARCHITECTURES, TinySizes, build_tiny_model, save_model_folder
 from rlhflab.models.tiny_tokenizer import EOS_TOKEN, PAD_TOKEN, build_tokenizer, template_words
@@ -29,7 +30,7 @@ __all__ = [
     "adapter_values", "adapters_off", "add_value_adapter", "apply_lora", "build_random_reward_model",
     "build_reward_model", "build_reward_model_from_causal", "build_tiny_model", "build_tokenizer", "can_pack_pairs",
     "can_pack_sequences", "fill_rows", "pack_rows", "pack_sequences", "packed_target_logits",
-    "can_grow_saved_trunk", "can_grow_trunk", "checkpointing_on", "count_parameters", "disable_dropout", "distinct_prompts",
+    "can_grow_saved_trunk", "can_grow_trunk", "configure_logits_chunks", "checkpointing_on", "count_parameters", "disable_dropout", "distinct_prompts",
     "enable_gradient_checkpointing", "freeze_lower_layers", "grouped_scores", "grow_trunk", "head_inputs",
     "is_encoder_reward_model", "last_hidden_state", "lean_hidden",
     "last_real_index", "load_causal_lm", "load_reward_model", "merged_adapter", "output_layer", "pack_groups", "pack_shared_prefix", "packed_length",

@@ -22,8 +22,16 @@ from rlhflab.core.logprobs import (chunked_head_logprobs, entropy_from_logits, r
                                    selective_log_softmax)
 
 # float32 logits of one chunk of positions: ~110 positions at a 151,936-piece vocabulary; the chunk's softmax and
-# gradient are a few tensors of this size (benchmarks/logprob_chunks.py measured the chunk sizes)
-LOGITS_CHUNK_BYTES = 64 << 20
+# gradient are a few tensors of this size. Process-wide, set by `configure_logits_chunks` (--logits_chunk_mib);
+# None = always whole
+LOGITS_CHUNK_BYTES: int | None = 64 << 20
+
+
+def configure_logits_chunks(mib: int) -> None:
+    """Set the process's chunk size (a stage's --logits_chunk_mib), as torch.set_num_threads sets its threads;
+    0 forms every logits tensor whole."""
+    global LOGITS_CHUNK_BYTES
+    LOGITS_CHUNK_BYTES = int(mib) << 20 if mib > 0 else None
 
 # config fields of models whose logits are not the output layer's plain result (Gemma 2's soft-capping, Cohere's
 # and Granite's scales): those keep the model's own logits
@@ -95,6 +103,9 @@ def _whole_logits(scores: Tensor | HeadInputs, tokens: Tensor) -> Tensor | None:
     if isinstance(scores, Tensor):
         return scores
     linear = _linear_of(scores.head)
+    if LOGITS_CHUNK_BYTES is None:
+        with scores.autocast_context():
+            return scores.head(scores.hidden)
     if linear is not None and tokens.numel() * linear.out_features * 4 <= LOGITS_CHUNK_BYTES:
         with scores.autocast_context():
             return scores.head(scores.hidden)

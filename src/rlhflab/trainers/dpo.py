@@ -279,6 +279,7 @@ def train(cfg: DPOConfig, run: RunDir | None = None) -> RunResult:
     # before any model is loaded: what the device cannot do is refused here (models/precision.py)
     precision = precision_from_config(cfg, world.device, parallel.resolve_strategy(cfg.parallel_strategy, world))
     configure_threads(world.threads(cfg.threads))
+    models.configure_logits_chunks(cfg.logits_chunk_mib)
     seed_everything(cfg.seed, cfg.deterministic)
     # 1. policy and pairs, validated and tokenised before the run folder exists (every rank builds the same)
     policy, tokenizer = build_policy(cfg, world.device)

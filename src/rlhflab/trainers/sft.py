@@ -231,6 +231,7 @@ def train(cfg: SFTConfig, run: RunDir | None = None) -> RunResult:
     started = time.time()
     world = parallel.init_world(cfg.device)
     configure_threads(world.threads(cfg.threads))
+    models.configure_logits_chunks(cfg.logits_chunk_mib)
     seed_everything(cfg.seed, cfg.deterministic)
     if cfg.max_steps < 1 or cfg.batch_size < 1 or cfg.gradient_accumulation_steps < 1:
         raise UserInputError("max_steps, batch_size and gradient_accumulation_steps must be >= 1", "sft config")

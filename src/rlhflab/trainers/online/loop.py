@@ -27,7 +27,7 @@ import time
 import torch
 from tqdm.auto import tqdm
 
-from rlhflab import data, parallel, rewards, sources
+from rlhflab import data, models, parallel, rewards, sources
 from rlhflab.checkpoint import Checkpointer, open_run
 from rlhflab.core import masked_mean
 from rlhflab.data.prompt_rows import PromptRow
@@ -143,6 +143,7 @@ def train_online(cfg, algorithm: Algorithm, run: RunDir | None = None, reward_fn
     # before any model is loaded: what the device cannot do is refused here (models/precision.py)
     precision = precision_from_config(cfg, world.device, parallel.resolve_strategy(cfg.parallel_strategy, world))
     configure_threads(world.threads(cfg.threads))
+    models.configure_logits_chunks(cfg.logits_chunk_mib)
     configure_allocator(cfg.mmap_threshold_mib)
     seed_everything(cfg.seed, cfg.deterministic)
     roles, tokenizer = build_roles(cfg, critic=algorithm.critic, precision=precision)
