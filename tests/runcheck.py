@@ -21,6 +21,18 @@ SUITE = ["--num_train_prompts", "22", "--num_validation_prompts", "11", "--num_t
          "--progress", "false", "--threads", "1", "--seed", "3"]
 
 
+FATAL_MARKS = ("Traceback", "Error", "terminate called", "what():", "Fatal Python error", "Segmentation fault")
+
+
+def launch_failure(done: subprocess.CompletedProcess, keep: int = 5000) -> str:
+    """What a failed subprocess printed that says why: the lines that name an error or a C++ abort
+    (wherever they are: torchrun's closing summary would push them out of a plain tail), then the tail."""
+    text = (done.stdout or "") + (done.stderr or "")
+    marked = [line for line in text.splitlines() if any(mark in line for mark in FATAL_MARKS)]
+    return (f"exit {done.returncode}; lines naming the failure:\n" + "\n".join(marked[:60])
+            + f"\n--- last {keep} characters ---\n" + text[-keep:])
+
+
 def ppo_args(policy_dir, out):
     return ["ppo", "--model", policy_dir, "--output_dir", str(out), "--batch_size", "8", "--num_mini_batches", "2",
             "--response_length", "6", "--max_new_tokens", "6", "--total_episodes", "48", "--eval_every", "3",

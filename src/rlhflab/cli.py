@@ -334,10 +334,11 @@ def launched_rank() -> tuple[int, int]:
     return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def leave_process_group() -> None:
-    """After a finished command: leave the process group a trainer joined (rlhflab.parallel), if any."""
+def leave_process_group(code: int) -> None:
+    """After a command that returned: leave the process group a trainer joined (rlhflab.parallel), if any
+    (waiting for the other ranks only after a success: after an error a peer may be in another collective)."""
     if "rlhflab.parallel" in sys.modules:
-        sys.modules["rlhflab.parallel"].shutdown_world()
+        sys.modules["rlhflab.parallel"].shutdown_world(finished=code == 0)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -351,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     quiet_library_progress_bars()
     with open(os.devnull, "w") as devnull, contextlib.redirect_stdout(devnull if rank > 0 else sys.stdout):
         code = run_command(argv, name)  # ranks > 0 print nothing: rank 0 reports the run
-    leave_process_group()  # not after an uncaught exception: a peer may be gone, and torchrun ends us anyway
+    leave_process_group(code)  # not after an uncaught exception: a peer may be gone, and torchrun ends us anyway
     return code
 
 

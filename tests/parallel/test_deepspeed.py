@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+from runcheck import launch_failure
 from safetensors.torch import load_file
 from parallel.test_two_processes import (TOLERANCE, assert_same_metrics, assert_same_weights_in, dpo_args, launch,
                                          max_weight_difference,
@@ -73,7 +74,7 @@ def runs(policy_dir, tmp_path_factory) -> dict:
         # this tiny model's, which would leave nothing partitioned to test)
         done = launch([str(HERE / "launch_runs.py"), str(root / f"jobs-{stage}.json")], cwd,
                       ACCELERATE_DEEPSPEED_ZERO_STAGE=str(stage), RLHFLAB_ZERO3_PERSISTENCE_THRESHOLD="0")
-        assert done.returncode == 0, done.stderr[-6000:]
+        assert done.returncode == 0, launch_failure(done)
     for name in RUNS:
         out[name].update(wall_two=json.loads((out[name]["two"] / "wall.json").read_text())["run"], cwd=cwd,
                          policy_dir=policy_dir)

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from parallel.deepspeed_online_driver import poison_minibatch
 from parallel.test_online_ranks import (REWARD, THRESHOLD_COUNTS, TORCHRUN, assert_same_metrics, environment,
                                         max_weight_difference, run_args, train_here)
+from runcheck import launch_failure
 from safetensors.torch import load_file
 from tinyhf import save_suite_model
 
@@ -95,7 +96,7 @@ def two_processes(setup) -> tuple[Path, float]:
     started = time.time()
     done = subprocess.run([*TORCHRUN, str(DRIVER), str(setup[0] / "jobs.json")], cwd=work, capture_output=True,
                           text=True, timeout=600, env=environment(RLHFLAB_ZERO3_PERSISTENCE_THRESHOLD="0"))
-    assert done.returncode == 0, done.stderr[-6000:]
+    assert done.returncode == 0, launch_failure(done)
     return work, time.time() - started
 
 

@@ -5,6 +5,7 @@ import logging
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from rlhflab import parallel
 from rlhflab.checkpoint.ranks import FollowerRun, check_layout
@@ -106,3 +107,16 @@ def test_a_follower_run_writes_nothing(tmp_path):
     assert run.update_summary(stage="sft") == {"stage": "sft"}
     run.close()
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo")
+@pytest.mark.parametrize("finished", [True, False])
+def test_leaving_the_group_waits_for_the_peers_only_after_a_finished_run(monkeypatch, tmp_path, finished):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    barriers = []
+    real_barrier = dist.barrier
+    monkeypatch.setattr(dist, "barrier", lambda *a, **k: barriers.append(1) or real_barrier(*a, **k))
+    parallel.shutdown_world(finished=finished)
+    assert not dist.is_initialized()
+    assert barriers == ([1] if finished else [])  # after an error a peer may wait in another collective: no barrier
+    parallel.shutdown_world()  # nothing joined: nothing to do

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from runcheck import WALL_CLOCK, wait_for
+from runcheck import WALL_CLOCK, launch_failure, wait_for
 from safetensors.torch import load_file
 from tinyhf import save_suite_model
 
@@ -150,7 +150,7 @@ def runs(policy_dir, tmp_path_factory) -> dict:
         jobs.append({"args": [*args(out[name]["two"], policy_dir), *flags, *extra]})
     (root / "jobs.json").write_text(json.dumps(jobs))
     done = launch([str(HERE / "launch_runs.py"), str(root / "jobs.json")], cwd)
-    assert done.returncode == 0, done.stderr[-6000:]
+    assert done.returncode == 0, launch_failure(done)
     for name in RUNS:
         walls = json.loads((out[name]["two"] / "wall.json").read_text())
         out[name].update(wall_two=walls["run"], cwd=cwd)
@@ -258,7 +258,7 @@ def test_sigkill_after_a_checkpoint_then_resume_latest_equals_the_uninterrupted_
     job.communicate(timeout=60)
     assert not (out / "summary.json").exists()  # it died mid-run
     done = launch([*args, "--resume", "latest"], cwd)
-    assert done.returncode == 0, done.stderr[-4000:]
+    assert done.returncode == 0, launch_failure(done)
     uninterrupted = runs["sft-fsdp2"]["two"]
     assert_same_weights_in(out / "model", uninterrupted / "model-uninterrupted")
     assert metric_rows(out / "metrics.jsonl") == metric_rows(uninterrupted / "metrics-uninterrupted.jsonl")

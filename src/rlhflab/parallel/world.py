@@ -10,6 +10,7 @@ group exists, and every collective here and in `reduce` returns its input unchan
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import logging
 import os
@@ -175,9 +176,18 @@ def barrier_if_joined() -> None:
         dist.barrier()
 
 
-def shutdown_world() -> None:
-    """Leave the process group (the CLI's last act; torch warns about a group left open)."""
+def shutdown_world(finished: bool = True) -> None:
+    """Leave the process group (the CLI's last act; torch warns about a group left open).
+
+    After a finished run every rank first waits for the others (no rank closes its connections while a peer's
+    last collective is in flight; `finished=False` after an error, where a peer may wait elsewhere), and the
+    wrappers still holding the group through reference cycles (DDP's reducer, FSDP's hooks) are collected while
+    the interpreter is whole: a gloo group torn down during interpreter shutdown can abort the process (SIGABRT,
+    "terminate called without an active exception") after all its work was written."""
     if dist.is_available() and dist.is_initialized():
+        if finished:
+            dist.barrier()
+        gc.collect()
         dist.destroy_process_group()
 
 
