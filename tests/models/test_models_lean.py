@@ -158,3 +158,50 @@ def test_decoder_fuses_small_plain_layers_only():
     assert side_by_side([lora.layers[0].q, lora.layers[0].k]).weight is None
     big = torch.nn.Linear(1024, 1025)  # 2 x 1M elements: above the cap
     assert side_by_side([_linear(big), _linear(big)]).weight is None
+
+
+def _decode_under_bf16(model, steps: int = 3) -> tuple[list[torch.Tensor], list]:
+    """Logits of the prefill and `steps` decode steps under bf16 autocast, and the casts of weight-shaped tensors
+    (aten::_to_copy on an input shaped like one of the model's matrices) in the last step."""
+    from rlhflab.data import left_pad, position_ids_from_mask
+
+    ids, mask = left_pad(PROMPTS, PAD)
+    positions = position_ids_from_mask(mask.long())
+    weight_shapes = {tuple(p.shape) for p in model.parameters() if p.dim() == 2}
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        decoder = LeanDecoder(plan_lean_decode(model), ids, mask, positions, steps)
+        logits = [decoder.logits]
+        for t in range(steps):
+            with torch.profiler.profile(record_shapes=True) as prof:
+                logits.append(decoder.step(torch.full((len(PROMPTS),), 20 + t)))
+    casts = [e.input_shapes[0] for e in prof.events() if e.name == "aten::_to_copy" and e.input_shapes
+             and tuple(e.input_shapes[0]) in weight_shapes]
+    return logits, casts
+
+
+@pytest.mark.parametrize("fuse", [True, False])
+@pytest.mark.parametrize("lora", [False, True])
+def test_decoding_under_autocast_casts_each_weight_once_for_the_same_logits(monkeypatch, fuse, lora):
+    """Fused, folded, transposed and frozen (LoRA base) weights are cast to bf16 once per decoder, not at every
+    step; the logits are the ones autocast gives casting them each step, bit for bit."""
+    from peft import LoraConfig, get_peft_model
+
+    import rlhflab.models.lean_decoder as lean_decoder
+
+    model = build("qwen2")  # q / k / v with biases
+    if lora:
+        model = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False))
+    if not fuse:
+        monkeypatch.setattr(lean_decoder, "FUSE_BELOW_ELEMENTS", 0)
+    once, casts_once = _decode_under_bf16(model)
+
+    class EveryStep(lean_decoder.Precast):  # what autocast alone does
+        def __init__(self, device_type):
+            super().__init__(device_type)
+            self.dtype = None
+
+    monkeypatch.setattr(lean_decoder, "Precast", EveryStep)
+    every, casts_every = _decode_under_bf16(model)
+    assert all(torch.equal(a, b) for a, b in zip(once, every))
+    assert once[-1].dtype == torch.bfloat16
+    assert casts_once == [] and len(casts_every) >= 2 * 2  # o and down of both layers at least, cast again

@@ -85,16 +85,22 @@ def _linear(module: nn.Module) -> Callable[[Tensor], Tensor]:
     cast = getattr(module, "cast_input_dtype_enabled", True)
 
     def lora_linear(x: Tensor) -> Tensor:
-        # as peft's lora.Linear.forward: the adapter reads x in its own dtype (peft keeps A / B in float32
-        # on a bf16 / fp16 base), the sum is formed in the promoted dtype, and the result is cast back
-        out = F.linear(x, base.weight, base.bias)
-        dtype = out.dtype
-        for a, b, scale in pairs:
-            x = x.to(a.dtype) if cast else x
-            out = out + F.linear(F.linear(x, a), b) * scale
-        return out.to(dtype)
+        return lora_forward(x, base.weight, base.bias, pairs, cast)
 
+    lora_linear.lora_parts = (base, pairs, cast)  # tagged, so the decoder can give it other base tensors
     return lora_linear
+
+
+def lora_forward(x: Tensor, weight: Tensor, bias: Tensor | None, pairs: list, cast: bool) -> Tensor:
+    """As peft's lora.Linear.forward: base(x) + scale * B(A(x)) for each (A, B, scale) of `pairs`; the adapter
+    reads x in its own dtype when `cast` (peft keeps A / B in float32 on a bf16 / fp16 base), the sum is formed
+    in the promoted dtype, and the result is cast back."""
+    out = F.linear(x, weight, bias)
+    dtype = out.dtype
+    for a, b, scale in pairs:
+        x = x.to(a.dtype) if cast else x
+        out = out + F.linear(F.linear(x, a), b) * scale
+    return out.to(dtype)
 
 
 @dataclass

@@ -16,6 +16,11 @@ folded norms, baddbmm and addmm then took generation of a GRPO rollout (8 prompt
 were tried and were slower: the strided key write and the longer rows cost more than the contiguous
 reads saved.) The logits match the plain forward to float rounding (tests/models/test_models_lean.py);
 the log-probs the losses use come from the lean forward, never from here.
+
+Under autocast (`--bf16` / `--fp16`) every weight a step multiplies by is cast to the autocast dtype once per
+decoder (`Precast`), not once per step: autocast caches the casts of trained leaf weights only, so the fused,
+folded and transposed weights, and every frozen one (a LoRA base, the reference), would otherwise be cast again
+at each of the rollout's tokens. The same casts, so the same logits bit for bit.
 """
 
 from __future__ import annotations
@@ -27,8 +32,41 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from rlhflab.models.lean import LeanLayer, LeanPlan, rotary_tables
+from rlhflab.models.lean import LeanLayer, LeanPlan, lora_forward, rotary_tables
 from rlhflab.models.prompt_pass import prompt_pass
+
+
+class Precast:
+    """t -> t cast to the autocast dtype active on `device_type` now (each tensor once, then reused), or t itself
+    without autocast or for a tensor that is not float32. Holds the originals, so ids stay unique while it lives."""
+
+    def __init__(self, device_type: str):
+        enabled = torch.is_autocast_enabled(device_type)
+        self.dtype = torch.get_autocast_dtype(device_type) if enabled else None
+        self._casts: dict[int, tuple[Tensor, Tensor]] = {}
+
+    def __call__(self, t: Tensor | None) -> Tensor | None:
+        if t is None or self.dtype is None or t.dtype != torch.float32:
+            return t
+        if id(t) not in self._casts:
+            self._casts[id(t)] = (t, t.detach().to(self.dtype))
+        return self._casts[id(t)][1]
+
+
+def decode_linear(fn: Callable, cast: Precast) -> Callable:
+    """A layer function of the plan (models/lean.py `_linear`) on weights cast once; anything else as it is."""
+    if cast.dtype is None:
+        return fn
+    plain = _plain_parts(fn)
+    if plain is not None:
+        weight, bias = cast(plain[0]), cast(plain[1])
+        return lambda x: F.linear(x, weight, bias)
+    lora = getattr(fn, "lora_parts", None)
+    if lora is not None:
+        base, pairs, cast_input = lora
+        weight, bias = cast(base.weight), cast(base.bias)
+        return lambda x: lora_forward(x, weight, bias, pairs, cast_input)
+    return fn
 
 
 def _plain_parts(layer_fn: Callable) -> tuple[Tensor, Tensor | None] | None:
@@ -82,11 +120,21 @@ class DecodeLayer:
     inner: int  # I, the MLP width
 
 
-def decode_layer(layer: LeanLayer, mlp_width: int) -> DecodeLayer:
+def decode_layer(layer: LeanLayer, mlp_width: int, cast: Precast) -> DecodeLayer:
     input_norm, qkv = folded_norm(layer.input_norm, side_by_side([layer.q, layer.k, layer.v]))
     post_norm, gate_up = folded_norm(layer.post_norm, side_by_side([layer.gate, layer.up]))
-    return DecodeLayer(input_norm, qkv, residual_linear(layer.o), post_norm, gate_up, residual_linear(layer.down),
-                       layer.act, layer.scaling, mlp_width)
+    return DecodeLayer(input_norm, cast_side_by_side(qkv, cast), residual_linear(layer.o, cast), post_norm,
+                       cast_side_by_side(gate_up, cast), residual_linear(layer.down, cast), layer.act, layer.scaling,
+                       mlp_width)
+
+
+def cast_side_by_side(fused: SideBySide, cast: Precast) -> SideBySide:
+    """`fused` with its concatenated (and norm-folded) weight cast once, or its parts on cast weights."""
+    if cast.dtype is None:
+        return fused
+    if fused.weight is not None:
+        return SideBySide(fused.parts, cast(fused.weight), cast(fused.bias))
+    return SideBySide([decode_linear(fn, cast) for fn in fused.parts])
 
 
 def folded_norm(norm: Callable, after: SideBySide) -> tuple[Callable, SideBySide]:
@@ -104,12 +152,13 @@ def folded_norm(norm: Callable, after: SideBySide) -> tuple[Callable, SideBySide
         SideBySide(after.parts, after.weight * (weight * size ** 0.5), after.bias)
 
 
-def residual_linear(fn: Callable) -> Callable[[Tensor, Tensor], Tensor]:
+def residual_linear(fn: Callable, cast: Precast) -> Callable[[Tensor, Tensor], Tensor]:
     """(h, x) -> h + fn(x), as one addmm for a plain bias-free Linear."""
     parts = _plain_parts(fn)
     if parts is None or parts[1] is not None:
-        return lambda h, x: h + fn(x)
-    weight_t = parts[0].t()
+        linear = decode_linear(fn, cast)
+        return lambda h, x: h + linear(x)
+    weight_t = cast(parts[0]).t()
     return lambda h, x: torch.addmm(h, x, weight_t)
 
 
@@ -141,7 +190,9 @@ class LeanDecoder:
         for buffers, computed in ((self.keys, prompts.keys), (self.values, prompts.values)):
             for buffer, layer_kv in zip(buffers, computed):
                 buffer[:, :, :prompt_len] = layer_kv
-        self.logits = plan.lm_head(prompts.last_hidden)
+        cast = Precast(query_ids.device.type)
+        self.lm_head = decode_linear(plan.lm_head, cast)
+        self.logits = self.lm_head(prompts.last_hidden)
         # (B, 1, 1, P + N) additive mask: 0 on keys a new token may attend to (real prompt tokens and every
         # generated one), -inf on left padding
         self.key_bias = torch.zeros(batch, 1, 1, total, dtype=dtype, device=query_ids.device)
@@ -153,7 +204,7 @@ class LeanDecoder:
         self.groups = plan.num_heads // plan.num_kv_heads
         self._views()
         hidden_size = plan.embed.shape[1]
-        self.layers = [decode_layer(layer, _mlp_width(layer, hidden_size, plan.embed)) for layer in plan.layers]
+        self.layers = [decode_layer(layer, _mlp_width(layer, hidden_size, plan.embed), cast) for layer in plan.layers]
 
     def select_rows(self, rows: Tensor) -> None:
         """Decode rows `rows` of the current ones from now on: each distinct prompt prefilled once, then given
@@ -199,4 +250,4 @@ class LeanDecoder:
             gate_up = layer.gate_up(layer.post_norm(h))
             h = layer.down(h, layer.act(gate_up[:, : layer.inner]).mul_(gate_up[:, layer.inner:]))
         self.length = end
-        return plan.lm_head(plan.norm(h))
+        return self.lm_head(plan.norm(h))
