@@ -39,7 +39,7 @@ class OnlineFields(ParallelFields, MonitorFields, CheckpointFields, RunFields, M
               "as the first training step's forward instead of repeating it (its activations stay alive during scoring)")
     mmap_threshold_mib: int = arg(
         0, "CPU memory (glibc): allocations of at least this many MiB are mmapped and handed back to the OS when "
-           "freed, which lowers peak RSS for big models (1 is a good value at ~25M+ parameters); 0 = malloc's default")
+           "freed, which lowers peak RSS for big models (1 at ~25M parameters, 4 at 0.5B); 0 = malloc's default")
     # the cycle
     total_episodes: int = arg(3840, "responses generated over the run")
     max_seconds: float = arg(0.0, "stop after this many seconds of the run's cycle (updates and evaluations, not "
