@@ -5,7 +5,7 @@
 
 Modes (README "PPO memory modes"): full fine-tune with a resident reference copy;
 (c) reference reloaded for each rollout's log-probs and freed; a separate value
-model; (a) LoRA policy whose reference is the base with the adapter off;
+model (stepped with the policy, or after it: one model's gradients at a time); (a) LoRA policy whose reference is the base with the adapter off;
 (a+b) LoRA policy + a second LoRA adapter as the value model on the same frozen
 base. Prints peak RSS (CPU) or peak allocated CUDA memory per mode, with the
 process's memory before any model was loaded, on an identical workload.
@@ -31,6 +31,7 @@ MODES = {
     "full, reference resident": {},
     "full, reference reloaded (c)": {"reference_mode": "reload"},
     "full, separate value model": {"value_mode": "separate"},
+    "full, separate value model stepped after the policy": {"value_mode": "separate", "value_step": "after_policy"},
     "LoRA r8, reference = adapter off (a)": {"lora_r": 8},
     "LoRA r8 + value adapter, one base (a+b)": {"lora_r": 8, "value_mode": "lora_adapter"},
 }

@@ -88,7 +88,10 @@ SETTINGS = dict(learning_rate=1e-6, adam_beta1=0.9, adam_beta2=0.999, adam_eps=1
 GRPO = dict(prompts=4, num_generations=4, beta=0.04, loss_type="dapo", num_iterations=1, epsilon=0.2,
             scale_rewards="group", importance_sampling_level="token")
 PPO = dict(prompts=4, num_ppo_epochs=1, num_mini_batches=1, kl_coef=0.05, kl_estimator="k1", vf_coef=0.1,
-           cliprange=0.2, cliprange_value=0.2, gamma=1.0, lam=0.95)
+           cliprange=0.2, cliprange_value=0.2, gamma=1.0, lam=0.95,
+           # TRL 1.12's PPOTrainer never clips gradients (its loop calls backward and optimizer.step only;
+           # max_grad_norm is read nowhere in it): rlhflab's PPO runs unclipped too, the same update
+           max_grad_norm=0.0)
 HEADLINE = ("grpo-full-fp32-gc", "grpo-full-bf16-gc")
 ALL_ROWS = (
     "grpo-full-fp32", "grpo-full-fp32-gc", "grpo-full-bf16", "grpo-full-bf16-gc",
@@ -321,6 +324,7 @@ def rlhflab_command(row: Row, assets: Path, run: Path, args) -> list[str]:
                 "--epsilon", str(g["epsilon"]), "--epsilon_high", "0", "--scale_rewards", g["scale_rewards"],
                 "--importance_sampling_level", g["importance_sampling_level"], *args.rlhflab_args.split()]
     p = PPO
+    common[common.index("--max_grad_norm") + 1] = str(p["max_grad_norm"])
     return [str(VENV_BIN / "rlhflab"), "ppo", *common, "--reward", "model", "--reward_model", str(assets / "reward"),
             "--value_mode", "separate", "--value_model", str(assets / "value"), "--batch_size", str(p["prompts"]),
             "--total_episodes", str(p["prompts"] * updates), "--num_mini_batches", str(p["num_mini_batches"]),

@@ -33,10 +33,10 @@ def poison_minibatch(number: int):
     real = passes.micro_losses
     seen = {"share": None, "count": -1}
 
-    def micro_losses(algorithm, roles, batch, adv, idx, share, temperature, forward=None):
+    def micro_losses(algorithm, roles, batch, adv, idx, share, temperature, forward=None, part="all"):
         if share is not seen["share"]:  # a new StepShare: the next minibatch
             seen["share"], seen["count"] = share, seen["count"] + 1
-        loss, stats = real(algorithm, roles, batch, adv, idx, share, temperature, forward)
+        loss, stats = real(algorithm, roles, batch, adv, idx, share, temperature, forward, part)
         if seen["count"] == number and int(idx[-1]) == int(share.index[-1]):
             loss = loss * float("nan")
         return loss, stats

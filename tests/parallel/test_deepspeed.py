@@ -43,6 +43,8 @@ RUNS = {
     "dpo-zero3-lora": (dpo_args, [*DEEPSPEED, "--lora_r", "4"], 3, 0),
     # bf16 autocast inside the engine's forward over its float32 weights (fp16 is refused: models/precision.py)
     "sft-zero3-bf16": (sft_args, [*DEEPSPEED, "--bf16"], 3, 0),
+    # each decoder layer recomputed in the backward while ZeRO-3 gathers its weights again
+    "sft-zero3-checkpointing": (sft_args, [*DEEPSPEED, "--gradient_checkpointing", "true"], 3, 0),
 }
 
 

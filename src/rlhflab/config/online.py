@@ -31,6 +31,8 @@ class OnlineFields(ParallelFields, MonitorFields, CheckpointFields, RunFields, M
     calibration_prompts: int = arg(64, "train prompts answered by the starting policy to normalise the reward model")
     reference_mode: Literal["resident", "reload"] = arg(
         "resident", "keep a reference copy in memory, or reload it for each rollout's log-probs and free it")
+    reward_model_mode: Literal["resident", "reload"] = arg(
+        "resident", "keep the reward model in memory, or reload it for each rollout's scores and free it")
     lora_merge_generation: bool = arg(
         False, "LoRA: sample rollouts with the adapter merged into temporary weight copies (somewhat faster "
                "decoding; costs one extra copy of the adapted weights while generating; originals restored bit for bit)")
@@ -75,6 +77,11 @@ class PPOConfig(OnlineFields):
     value_mode: Literal["shared", "separate", "lora_adapter"] = arg(
         "shared", "value head on the policy trunk, a separate value model, or a 2nd LoRA adapter on the shared base")
     value_model: str = arg("", "value model init for value_mode=separate; empty = the policy (a reward model also works)")
+    value_step: Literal["joint", "after_policy"] = arg(
+        "joint", "value_mode=separate, one process: one AdamW step over policy and value model, their gradients "
+                 "clipped together (TRL), or the policy's step and then the value model's, each clipped on its own "
+                 "(OpenRLHF, veRL), so only one model's gradients are held at a time; with max_grad_norm 0 the same "
+                 "update (value warm-up rollouts then skip the policy's step)")
     batch_size: int = arg(64, "prompts per rollout (one PPO update), one response each")
     num_mini_batches: int = arg(2, "minibatches each rollout is split into per PPO epoch")
     num_ppo_epochs: int = arg(2, "passes over each rollout")

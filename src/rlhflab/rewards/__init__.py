@@ -12,7 +12,7 @@ from rlhflab.rewards.base import Check, RewardSource, Scored, Verifier, as_score
 from rlhflab.rewards.checker import CheckerReward, CheckerVerifier, task_item
 from rlhflab.rewards.combine import CombinedReward
 from rlhflab.rewards.functions import FunctionReward, FunctionVerifier, load_function
-from rlhflab.rewards.model import ModelReward, random_model_reward
+from rlhflab.rewards.model import ModelReward, ReloadedModelReward, random_model_reward
 
 # config name -> constructor
 REWARD_KINDS = {
@@ -31,6 +31,7 @@ __all__ = [
     "FunctionReward",
     "FunctionVerifier",
     "ModelReward",
+    "ReloadedModelReward",
     "RewardSource",
     "Scored",
     "Verifier",

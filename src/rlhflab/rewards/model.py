@@ -149,6 +149,18 @@ class ModelReward:
         return torch.cat(raw) if raw else torch.zeros(0)
 
 
+class ReloadedModelReward:
+    """A `ModelReward` whose model `load()` reads from disk for each call and frees after it (an online run's
+    `reward_model_mode=reload`): between rollouts no reward model is held, for one more read of its checkpoint
+    a rollout. `settings`: ModelReward's keyword arguments (shift, scale, autocast, ...)."""
+
+    def __init__(self, load: Callable[[], nn.Module], tokenizer, **settings):
+        self.load, self.tokenizer, self.settings = load, tokenizer, settings
+
+    def __call__(self, prompts: list[str], responses: list[str], rows: Sequence[PromptRow]) -> Scored:
+        return ModelReward(self.load(), self.tokenizer, **self.settings)(prompts, responses, rows)
+
+
 def random_model_reward(tokenizer, seed: int = 0, **sizes) -> ModelReward:
     """A deliberately random tiny reward head, for the smoke test (scores mean nothing)."""
     return ModelReward(build_random_reward_model(tokenizer, seed=seed, **sizes), tokenizer)

@@ -198,14 +198,24 @@ class PolicyRoles:
         return self.value_head(hidden[:, start:-1])
 
     def logprobs_and_values(self, query_ids, query_mask, response_ids, response_mask, temperature: float,
-                            entropy: bool = False) -> tuple[Tensor, Tensor | None, Tensor | None]:
+                            entropy: bool = False, part: str = "all") -> tuple[Tensor | None, Tensor | None, Tensor | None]:
         """log pi(a_t|s_t) (B, T) float32, the entropy (B, T) when asked (for logging: no gradient) and values
         (B, T) (None without a critic): one forward of the trained engine under the roles' autocast. The log-probs
         are taken inside that forward and adapter context, so the output layer runs there too (chunk by chunk at
-        a large vocabulary: models/token_head.py); what trains is never a (B, T, V) float32 tensor here."""
+        a large vocabulary: models/token_head.py); what trains is never a (B, T, V) float32 tensor here.
+        `part`: "all", or with a separate value model only its forward ("value": no log-probs) or only the
+        policy's ("policy": no values)."""
+        if part != "all" and self.value_mode != "separate":
+            raise ValueError(f"part={part!r} needs a separate value model, not value_mode={self.value_mode!r}")
+
         def forward():
+            if part == "value":
+                return None, None, self.values(query_ids, query_mask, response_ids, response_mask)
             with self._policy_adapter():
-                scores, values = self._logits_and_values(query_ids, query_mask, response_ids, response_mask)
+                if part == "policy":
+                    scores, values = self.policy_forward(query_ids, query_mask, response_ids, response_mask)
+                else:
+                    scores, values = self._logits_and_values(query_ids, query_mask, response_ids, response_mask)
                 if entropy:
                     logprobs, entropies = models.token_logprobs_and_entropy(scores, response_ids, temperature)
                     return logprobs, entropies.detach(), values

@@ -29,7 +29,8 @@ MIN_SCALE = 1.0
 def clip_and_step(optimizer, scheduler, params, max_grad_norm: float, loss: float, mode: str,
                   stage: str, engine: parallel.Wrapped | None = None,
                   precision: MixedPrecision | None = None) -> torch.Tensor | None:
-    """Clip the gradient norm, step AdamW and the LR schedule; the gradient norm, or None when skipped
+    """Clip the gradient norm, step AdamW and the LR schedule (None: a step that leaves the schedule where it is,
+    e.g. the first of two parts of one minibatch); the gradient norm, or None when skipped
     (`precision.overflowed` then says whether fp16's scaler skipped it, module doc).
     `engine`: the trained model's Wrapped; when it steps itself (DeepSpeed) it clips and steps instead."""
     if precision is not None:
@@ -37,7 +38,7 @@ def clip_and_step(optimizer, scheduler, params, max_grad_norm: float, loss: floa
     if engine is not None and engine.steps_itself:  # no scaler there: fp16 under DeepSpeed is refused at setup
         return engine_step(engine, scheduler, loss, mode, stage)
     scaler = precision.scaler if precision is not None else None
-    lr = scheduler.get_last_lr()[0]
+    lr = optimizer.param_groups[0]["lr"]
     problem = f"non-finite {stage} loss {loss}" if not math.isfinite(loss) else None
     if problem is None:
         if scaler is not None:
@@ -64,7 +65,8 @@ def clip_and_step(optimizer, scheduler, params, max_grad_norm: float, loss: floa
         scaler.update()
     else:
         optimizer.step()
-    scheduler.step()
+    if scheduler is not None:
+        scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return grad_norm
 

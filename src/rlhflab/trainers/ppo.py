@@ -19,7 +19,7 @@ import logging
 import torch
 from torch import Tensor
 
-from rlhflab import core
+from rlhflab import core, parallel
 from rlhflab.config import PPOConfig
 from rlhflab.core import KL_ESTIMATORS, clipped_value_loss, gae, ppo_policy_loss, token_rewards, whiten
 from rlhflab.errors import UserInputError
@@ -53,7 +53,7 @@ def masked_var_of(x, mask):
 STEP_NAMES = {"loss/policy": "loss/policy_avg", "loss/value": "loss/value_avg", "policy/clipfrac": "policy/clipfrac_avg",
               "policy/approxkl": "policy/approxkl_avg", "val/clipfrac": "val/clipfrac_avg", "policy/ratio_mean": "val/ratio",
               "ratio_var": "val/ratio_var", "policy/ratio_max": "policy/ratio_max", "policy/ratio_min": "policy/ratio_min",
-              "grad_norm": "grad_norm"}
+              "grad_norm": "grad_norm", "value_grad_norm": "val/grad_norm"}
 
 
 class PPO(AlgorithmDefaults):
@@ -74,6 +74,7 @@ class PPO(AlgorithmDefaults):
                                  "0 = learning_rate / no warm-up")
         if cfg.value_mode == "lora_adapter" and cfg.lora_r <= 0:
             raise UserInputError("value_mode=lora_adapter needs a LoRA policy", "--value_mode", "set --lora_r 8 (or more)")
+        check_value_step(cfg)
         updates = cfg.total_episodes // max(cfg.batch_size, 1)
         if cfg.value_warmup_rollouts and cfg.value_warmup_rollouts >= updates:
             log.warning("value_warmup_rollouts %d >= the run's %d updates: the policy never trains",
@@ -90,6 +91,13 @@ class PPO(AlgorithmDefaults):
         lr = self.cfg.value_head_learning_rate or self.cfg.learning_rate
         return [{"params": [p for p in params if id(p) not in head]},
                 {"params": [p for p in params if id(p) in head], "lr": lr}]
+
+    def step_parts(self) -> tuple[str, ...]:
+        """value_step=after_policy: the policy's step, then the value model's (only the value model's in a critic
+        warm-up rollout); else one joint step."""
+        if self.cfg.value_step == "joint":
+            return ("all",)
+        return ("value",) if self.updates < self.cfg.value_warmup_rollouts else ("policy", "value")
 
     def advantages(self, batch: ScoredRollout) -> Advantages:
         cfg, rollout, mask = self.cfg, batch.rollout, batch.mask
@@ -112,20 +120,27 @@ class PPO(AlgorithmDefaults):
         }
         return Advantages(advantages, returns, metrics)
 
-    def loss(self, logprobs: Tensor, values: Tensor | None, batch: ScoredRollout, adv: Advantages, idx: Tensor,
-             share: StepShare) -> tuple[Tensor, dict]:
+    def loss(self, logprobs: Tensor | None, values: Tensor | None, batch: ScoredRollout, adv: Advantages,
+             idx: Tensor, share: StepShare, part: str = "all") -> tuple[Tensor, dict]:
+        """The clipped surrogate + vf_coef x the clipped value loss (`part` "all"), or one of them ("policy":
+        `values` may be None; "value": `logprobs` may be None), a token mean over the minibatch."""
         cfg, rollout = self.cfg, batch.rollout
         mask = batch.mask[idx]
         weight = mask.sum().item() / share.tokens  # token mean over the minibatch
-        pg_loss, pg_stats = ppo_policy_loss(logprobs, rollout.logprobs[idx], adv.advantages[idx], mask, cfg.cliprange)
-        vf_loss, vf_stats = clipped_value_loss(values, rollout.values[idx], adv.returns[idx], mask, cfg.cliprange_value)
-        ratio = torch.exp(logprobs - rollout.logprobs[idx]).detach()
-        stats = {"loss/policy": pg_loss.detach(), "loss/value": vf_loss.detach(),
-                 **{f"policy/{k}": v for k, v in pg_stats.items()}, "val/clipfrac": vf_stats["clipfrac"],
-                 "ratio_var": masked_var_of(ratio, mask)}
-        # a critic warm-up rollout: the policy's loss is off, its weights see only the value loss's gradient
-        pg_weight = 0.0 if self.updates < cfg.value_warmup_rollouts else 1.0
-        return (pg_weight * pg_loss + cfg.vf_coef * vf_loss) * weight, stats
+        loss, stats = torch.zeros((), device=mask.device), {}
+        if part != "value":
+            pg_loss, pg_stats = ppo_policy_loss(logprobs, rollout.logprobs[idx], adv.advantages[idx], mask, cfg.cliprange)
+            ratio = torch.exp(logprobs - rollout.logprobs[idx]).detach()
+            stats.update({"loss/policy": pg_loss.detach(), **{f"policy/{k}": v for k, v in pg_stats.items()},
+                          "ratio_var": masked_var_of(ratio, mask)})
+            # a critic warm-up rollout: the policy's loss is off, its weights see only the value loss's gradient
+            loss = (0.0 if self.updates < cfg.value_warmup_rollouts else 1.0) * pg_loss
+        if part != "policy":
+            vf_loss, vf_stats = clipped_value_loss(values, rollout.values[idx], adv.returns[idx], mask,
+                                                   cfg.cliprange_value)
+            stats.update({"loss/value": vf_loss.detach(), "val/clipfrac": vf_stats["clipfrac"]})
+            loss = loss + cfg.vf_coef * vf_loss
+        return loss * weight, stats
 
     def after_update(self, batch: ScoredRollout) -> None:
         kl = self._penalty
@@ -138,6 +153,20 @@ class PPO(AlgorithmDefaults):
     def load_state_dict(self, state: dict) -> None:
         self.kl_ctl.load_state_dict(state["kl_controller"])
         self.updates = state.get("updates", 0)  # checkpoints written before the warm-up existed
+
+
+def check_value_step(cfg: PPOConfig) -> None:
+    """value_step=after_policy needs a value model of its own, stepped in one process."""
+    if cfg.value_step == "joint":
+        return
+    if cfg.value_mode != "separate":
+        raise UserInputError(f"value_step=after_policy steps a separate value model after the policy; value_mode="
+                             f"{cfg.value_mode} trains the critic on the policy's own weights", "--value_step",
+                             "use --value_mode separate, or --value_step joint")
+    processes = parallel.launched_ranks()[1]
+    if processes > 1:
+        raise UserInputError(f"value_step=after_policy runs in one process; this run has {processes}", "--value_step",
+                             "use --value_step joint with several processes")
 
 
 def check_config(cfg: PPOConfig) -> None:

@@ -71,6 +71,11 @@ class Algorithm(Protocol):
         `logprobs` (and `values`) are the current policy's on those rows. Stats: detached scalars."""
         ...
 
+    def step_parts(self) -> tuple[str, ...]:
+        """What each minibatch steps, in order: ("all",) one optimiser step over every trained module; PPO with
+        value_step=after_policy ("policy", "value"): two, `loss(..., part=...)` giving each part's loss."""
+        ...
+
     def step_metrics(self, stats: dict) -> dict:
         """The loss stats averaged over an update's steps, under the algorithm's metric names."""
         ...
@@ -93,12 +98,16 @@ class Algorithm(Protocol):
 class AlgorithmDefaults:
     """What most algorithms leave as is: metric names from the class's `step_names` table, and no state
     carried between updates (PPO's KL coefficient and REINFORCE's moving baseline override the last three),
-    and one optimiser group at the config's learning rate (PPO gives its critic a group of its own)."""
+    one optimiser group at the config's learning rate (PPO gives its critic a group of its own), and one
+    optimiser step a minibatch."""
 
     step_names: dict[str, str] = {}  # averaged loss stat -> its metric name (TRL's where TRL has one)
 
     def step_metrics(self, stats: dict) -> dict:
         return {self.step_names[k]: v for k, v in stats.items() if k in self.step_names}
+
+    def step_parts(self) -> tuple[str, ...]:
+        return ("all",)
 
     def param_groups(self, roles) -> list[dict]:
         return [{"params": roles.trainable_parameters()}]

@@ -21,18 +21,23 @@ from rlhflab.trainers.online.ranks import merged_history, micro_batches, micro_c
 
 
 def micro_losses(algorithm: Algorithm, roles, batch: ScoredRollout, adv, idx, share: StepShare, temperature: float,
-                 forward: tuple | None = None):
+                 forward: tuple | None = None, part: str = "all"):
     """Loss of one micro-batch `idx`, scaled by its share of the step.
 
     `forward`: the rollout's own policy forward over all rows (`Rollout.policy_forward`: log-probs and values),
-    used instead of running it again when the weights have not changed since."""
+    used instead of running it again when the weights have not changed since. `part` (Algorithm.step_parts):
+    "all", or the one trained model whose forward runs and whose loss is returned ("policy" / "value")."""
     rollout = batch.rollout
     q, qm, r, rm = (t[idx] for t in (rollout.query_ids, rollout.query_mask, rollout.response_ids, batch.mask))
     if forward is not None:
         logprobs, values = forward[0][idx], (forward[1][idx] if forward[1] is not None else None)
+        logprobs, values = (None if part == "value" else logprobs), (None if part == "policy" else values)
     else:
-        logprobs, _, values = roles.logprobs_and_values(q, qm, r, rm, temperature)
-    return algorithm.loss(logprobs, values.float() if values is not None else None, batch, adv, idx, share)
+        logprobs, _, values = roles.logprobs_and_values(q, qm, r, rm, temperature, part=part)
+    values = values.float() if values is not None else None
+    if part == "all":
+        return algorithm.loss(logprobs, values, batch, adv, idx, share)
+    return algorithm.loss(logprobs, values, batch, adv, idx, share, part=part)
 
 
 def update_passes(algorithm: Algorithm, roles, optimizer, scheduler, batch: ScoredRollout, adv, cfg, generator,
@@ -43,9 +48,11 @@ def update_passes(algorithm: Algorithm, roles, optimizer, scheduler, batch: Scor
     "stop" raises naming the rollout rows and `prompt_keys[row]`, their train-prompt indices).
     `trained`: the engine around the trained modules when several processes train (None: one process).
     The forwards run under the roles' autocast (`roles.precision`), the backwards outside it; fp16 scales each
-    loss before its backward, and a step the scaler skips is counted there (amp/skipped_steps), not here."""
+    loss before its backward, and a step the scaler skips is counted there (amp/skipped_steps), not here.
+    A minibatch whose algorithm steps its trained models one after another (`algorithm.step_parts()`: PPO's
+    value_step=after_policy) takes one clipped optimiser step per part, each freeing its gradients before the
+    next part's backward; the parameters without a gradient are left as they are by that step."""
     world = trained.world if trained is not None else parallel.SINGLE
-    precision = roles.precision
     roles.train(True)
     # FSDP2 may hold a layer unsharded between forwards: the optimiser's parameters are the sharded ones
     params = [p for g in optimizer.param_groups for p in g["params"]] if world.distributed and trained.layout.sharded \
@@ -56,9 +63,9 @@ def update_passes(algorithm: Algorithm, roles, optimizer, scheduler, batch: Scor
     history: list[tuple[tuple, dict]] = []  # ((pass, minibatch, micro-batch), stats): every rank's, merged below
     skipped = 0
     rollout_tokens = batch.mask.sum().clamp(min=1).item()
-    micro, count = micro_cut(mb_size, cfg.gradient_accumulation_steps, world.world_size)
+    step = MinibatchStep(algorithm, roles, optimizer, scheduler, batch, adv, cfg, params, trained, update, prompt_keys)
     # the rollout's forward is the first step's forward only if that step sees every row at the rollout's weights
-    reuse = rollout.policy_forward if micro >= size else None
+    reuse = rollout.policy_forward if step.micro >= size else None
     for epoch in range(algorithm.epochs):
         order = shuffled_rows(size, batch.group_size if algorithm.whole_groups else 1, generator)
         for start in range(0, size, mb_size):
@@ -66,35 +73,62 @@ def update_passes(algorithm: Algorithm, roles, optimizer, scheduler, batch: Scor
             share = StepShare(tokens=batch.mask[mb_idx].sum().clamp(min=1).item(), rows=len(mb_idx),
                               rollout_tokens=rollout_tokens, response_length=cfg.response_length,
                               steps=cfg.num_mini_batches, index=mb_idx)
-            step_history, loss_value, rows = [], 0.0, mb_idx
-            mine = micro_batches(mb_idx, cfg.gradient_accumulation_steps, world)
-            for n, (position, idx, real) in enumerate(mine):
-                with trained.sync(n == len(mine) - 1) if trained is not None else nullcontext():
-                    loss, stats = micro_losses(algorithm, roles, batch, adv, idx, share, cfg.temperature, reuse)
-                    reuse = None  # its weights are stale after this step
-                    if world.any(not torch.isfinite(loss)):  # no backward through it: the step is dropped below
-                        loss_value, rows = loss.item() if not torch.isfinite(loss) else float("nan"), idx
-                        if trained is not None:  # DeepSpeed: its step drops what it accumulated (every rank)
-                            trained.drop_step(loss)
-                        break
-                    backward(loss, real, trained, precision)
-                if real:
-                    step_history.append(((epoch, start, position), stats))
-            try:
-                grad_norm = clip_and_step(optimizer, scheduler, params, cfg.max_grad_norm, loss_value, cfg.nonfinite,
-                                          algorithm.name.upper(), engine=trained,  # DeepSpeed steps itself
-                                          precision=precision)
-            except FloatingPointError as err:
-                raise FloatingPointError(f"{algorithm.name.upper()} update {update}: {err} "
-                                         f"({rows_named(rows.tolist(), prompt_keys)}); "
-                                         "no checkpoint written after it") from err
-            if grad_norm is None:  # dropped: its stats stay out of the averages
-                skipped += not precision.overflowed
-                continue
-            if step_history and step_history[-1][0][2] == count - 1:  # once per step, on its last micro-batch
-                step_history[-1][1]["grad_norm"] = grad_norm.detach()
-            history.extend(step_history)
+            dropped = False
+            for part in algorithm.step_parts():  # a part steps weights the other parts' forwards do not read
+                step_history = step.run(part, (epoch, start), mb_idx, share, reuse)
+                dropped |= step_history is None
+                history.extend(step_history or [])
+            reuse = None  # its weights are stale after this minibatch
+            skipped += dropped
     return {**average_stats(merged_history(history, world)), "skipped": skipped}
+
+
+class MinibatchStep:
+    """One optimiser step of one minibatch (or of one part of it: `micro_losses`): its micro-batches' forwards
+    and backwards, then the clipped step."""
+
+    def __init__(self, algorithm: Algorithm, roles, optimizer, scheduler, batch: ScoredRollout, adv, cfg, params,
+                 trained: parallel.Wrapped | None, update: int, prompt_keys: list[int] | None):
+        self.algorithm, self.roles, self.optimizer, self.scheduler = algorithm, roles, optimizer, scheduler
+        self.batch, self.adv, self.cfg, self.params = batch, adv, cfg, params
+        self.trained, self.update, self.prompt_keys = trained, update, prompt_keys
+        self.world = trained.world if trained is not None else parallel.SINGLE
+        self.micro, self.count = micro_cut(batch.rollout.batch_size // cfg.num_mini_batches,
+                                           cfg.gradient_accumulation_steps, self.world.world_size)
+
+    def run(self, part: str, place: tuple, mb_idx, share: StepShare, reuse: tuple | None) -> list | None:
+        """((pass, minibatch start, micro-batch), stats) of this rank's real micro-batches, with the step's
+        gradient norm on its last one (under "value_grad_norm" for the value part); None when it was dropped."""
+        cfg, trained, precision = self.cfg, self.trained, self.roles.precision
+        step_history, loss_value, rows = [], 0.0, mb_idx
+        mine = micro_batches(mb_idx, cfg.gradient_accumulation_steps, self.world)
+        for n, (position, idx, real) in enumerate(mine):
+            with trained.sync(n == len(mine) - 1) if trained is not None else nullcontext():
+                loss, stats = micro_losses(self.algorithm, self.roles, self.batch, self.adv, idx, share,
+                                           cfg.temperature, reuse, part)
+                reuse = None  # its weights are stale after this step
+                if self.world.any(not torch.isfinite(loss)):  # no backward through it: the step is dropped below
+                    loss_value, rows = loss.item() if not torch.isfinite(loss) else float("nan"), idx
+                    if trained is not None:  # DeepSpeed: its step drops what it accumulated (every rank)
+                        trained.drop_step(loss)
+                    break
+                backward(loss, real, trained, precision)
+            if real:
+                step_history.append(((*place, position), stats))
+        name = self.algorithm.name.upper() + ("" if part == "all" else f" {part}")
+        try:
+            grad_norm = clip_and_step(self.optimizer, self.scheduler if part in ("all", "value") else None,
+                                      self.params, cfg.max_grad_norm, loss_value, cfg.nonfinite, name,
+                                      engine=trained, precision=precision)  # DeepSpeed steps itself
+        except FloatingPointError as err:
+            raise FloatingPointError(f"{name} update {self.update}: {err} "
+                                     f"({rows_named(rows.tolist(), self.prompt_keys)}); "
+                                     "no checkpoint written after it") from err
+        if grad_norm is None:  # dropped: its stats stay out of the averages (a step fp16's scaler skipped counts there)
+            return None if not precision.overflowed else []
+        if step_history and step_history[-1][0][2] == self.count - 1:  # once per step, on its last micro-batch
+            step_history[-1][1]["value_grad_norm" if part == "value" else "grad_norm"] = grad_norm.detach()
+        return step_history
 
 
 def backward(loss: torch.Tensor, real: bool, trained: parallel.Wrapped | None, precision) -> None:

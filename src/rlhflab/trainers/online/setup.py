@@ -192,16 +192,23 @@ def build_reward(cfg: OnlineFields, tokenizer, policy=None, calibration_rows=Non
 
 
 def learned_reward(cfg: OnlineFields, tokenizer, policy, calibration_rows,
-                   autocast=nullcontext) -> tuple[rewards.ModelReward, dict]:
-    """The reward model as a source, normalised on the starting policy's answers when asked."""
+                   autocast=nullcontext) -> tuple[rewards.ModelReward | rewards.ReloadedModelReward, dict]:
+    """The reward model as a source, normalised on the starting policy's answers when asked; with
+    `reward_model_mode=reload` read from disk again for each rollout's scores (loaded here once to check and
+    calibrate it, then freed)."""
     rm_tokenizer = models.load_tokenizer(cfg.reward_model, trust_remote_code=cfg.trust_remote_code)
-    rm = models.load_reward_model(cfg.reward_model, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code,
-                                  tokenizer=rm_tokenizer).to(resolve_device(cfg.device))
+    load = lambda: models.load_reward_model(  # noqa: E731
+        cfg.reward_model, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code,
+        tokenizer=rm_tokenizer).to(resolve_device(cfg.device))
+    rm = load()
     norm = {"shift": cfg.reward_shift, "scale": cfg.reward_scale, "calibration_answers": 0}
     learned = rewards.ModelReward(rm, rm_tokenizer, shift=norm["shift"], scale=norm["scale"], autocast=autocast)
     if cfg.normalize_reward and policy is not None and calibration_rows:
         norm = calibrate_reward_model(learned, policy, tokenizer, calibration_rows, cfg)
         learned = rewards.ModelReward(rm, rm_tokenizer, shift=norm["shift"], scale=norm["scale"], autocast=autocast)
+    if cfg.reward_model_mode == "reload":
+        return rewards.ReloadedModelReward(load, rm_tokenizer, shift=norm["shift"], scale=norm["scale"],
+                                           autocast=autocast), norm
     return learned, norm
 
 
