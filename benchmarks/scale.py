@@ -289,11 +289,17 @@ def proc_status(pid: int) -> dict:
     return {k: int(v.split()[0]) / 1024 for k, v in (line.split(":", 1) for line in lines) if k in ("VmHWM", "VmRSS")}
 
 
-def memory_limit_mib(args) -> float:
-    """--max_rss_gb, lowered to what the machine has available now less 1 GiB (it is shared)."""
-    available = next((int(line.split()[1]) / 1024 for line in Path("/proc/meminfo").read_text().splitlines()
-                      if line.startswith("MemAvailable")), float("inf"))
-    return min(args.max_rss_gb * 1024, available - 1024)
+def memory_limit_mib(args, wait_s: float = 30.0) -> float:
+    """--max_rss_gb, lowered to what the machine has available now less 1 GiB (it is shared). The memory of a
+    run that just ended comes back over some seconds: it is read until it stops rising (up to `wait_s`)."""
+    deadline, last = time.monotonic() + wait_s, None
+    while True:
+        available = next((int(line.split()[1]) / 1024 for line in Path("/proc/meminfo").read_text().splitlines()
+                          if line.startswith("MemAvailable")), float("inf"))
+        if (last is not None and available < last + 64) or time.monotonic() > deadline:
+            return min(args.max_rss_gb * 1024, available - 1024)
+        last = available
+        time.sleep(1.0)
 
 
 def rlhflab_command(row: Row, assets: Path, run: Path, args) -> list[str]:
