@@ -278,6 +278,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backends", default="lean,vllm", help="comma-separated: lean, hf, vllm")
     parser.add_argument("--budget_s", type=float, default=300, help="wall-clock budget: cases that no longer fit "
                                                                     "are listed as not run")
+    parser.add_argument("--out", default="", help="folder for results.json and table.md, rewritten after every "
+                                                  "case (a killed run keeps what it measured); default: print only")
     parser.add_argument("--case", default="", help=argparse.SUPPRESS)  # METHOD:BACKEND, run by the parent
     parser.add_argument("--work", default="", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -294,30 +296,57 @@ def main(argv: list[str] | None = None) -> int:
         print("gpu_check: torch sees no CUDA GPU; run with --smoke for the CPU check", file=sys.stderr)
         return 2
     started = time.time()
-    with tempfile.TemporaryDirectory(prefix="rlhflab-gpu-check-") as tmp:
+    out = Path(args.out) if args.out else None
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+    on_cpu = setting.device == "cpu"
+    with tempfile.TemporaryDirectory(prefix="rlhflab-gpu-check-") as tmp:  # the model folder: GBs, not kept
         work = Path(tmp)
         params = build_model_folder(work / "model", shape, setting)
         write_prompts(work / "prompts.jsonl", count=max(64, setting.batch_size), length=setting.prompt_tokens)
         peak = matmul_peak(setting.device, setting.dtype)
         backends, left_out = backends_to_run(args.backends, setting.device)
+        header = header_lines(torch, args.smoke, setting, shape, params, peak, left_out)
+        print("\n".join(header), flush=True)
         deadline = started + args.budget_s
-        results = [spawn_case(m, b, work, args.smoke, min(setting.case_timeout_s, deadline - time.time()))
-                   for b in backends for m in METHODS]
-    device = torch.cuda.get_device_name(0) if setting.device == "cuda" else f"CPU ({os.cpu_count()} cores)"
-    print(f"\n## rlhflab GPU check{' (smoke)' if args.smoke else ''}\n")
-    print(f"- device: {device}; torch {torch.__version__}; measured {setting.dtype} matmul peak "
-          f"{peak / 1e12:.1f} TFLOP/s")
-    print(f"- model: random Qwen2, {params / 1e6:.3g}M parameters ({json.dumps(asdict(shape))}), {setting.dtype}, "
-          f"LoRA r {setting.lora_r}")
-    print(f"- per update: {setting.batch_size} responses of {setting.response_length} tokens to "
-          f"{setting.prompt_tokens}-token prompts; {setting.updates} updates, the first not measured; PPO 2 epochs x "
-          f"2 minibatches with a value head on the trunk, GRPO groups of {setting.num_generations}, 1 pass")
-    if left_out:
-        print(f"- {left_out}")
+        results = []
+        for backend in backends:
+            for method in METHODS:
+                results.append(spawn_case(method, backend, work, args.smoke,
+                                          min(setting.case_timeout_s, deadline - time.time())))
+                print(f"case {method} / {backend}: {results[-1].get('error', 'measured')} "
+                      f"({time.time() - started:.0f} s in)", flush=True)
+                if out is not None:  # what is measured so far survives a run killed later
+                    save_results(out, header, results, peak, on_cpu, time.time() - started)
     print()
-    print(markdown_table(results, peak, on_cpu=setting.device == "cpu"))
+    print(markdown_table(results, peak, on_cpu))
     print(f"\nwall {time.time() - started:.0f} s")
     return 0 if all("error" not in r for r in results) else 1
+
+
+def header_lines(torch, smoke: bool, setting: Setting, shape: Shape, params: int, peak: float,
+                 left_out: str) -> list[str]:
+    """The table's preamble: device, versions, model, work per update."""
+    import transformers
+
+    device = torch.cuda.get_device_name(0) if setting.device == "cuda" else f"CPU ({os.cpu_count()} cores)"
+    lines = [f"## rlhflab GPU check{' (smoke)' if smoke else ''}", "",
+             f"- device: {device}; torch {torch.__version__} (CUDA {torch.version.cuda}); transformers "
+             f"{transformers.__version__}; measured {setting.dtype} matmul peak {peak / 1e12:.1f} TFLOP/s",
+             f"- model: random Qwen2, {params / 1e6:.3g}M parameters ({json.dumps(asdict(shape))}), {setting.dtype}, "
+             f"LoRA r {setting.lora_r}",
+             f"- per update: {setting.batch_size} responses of {setting.response_length} tokens to "
+             f"{setting.prompt_tokens}-token prompts; {setting.updates} updates, the first not measured; PPO 2 epochs "
+             f"x 2 minibatches with a value head on the trunk, GRPO groups of {setting.num_generations}, 1 pass"]
+    return lines + ([f"- {left_out}"] if left_out else []) + [""]
+
+
+def save_results(out: Path, header: list[str], results: list[dict], peak: float, on_cpu: bool, wall: float) -> None:
+    """OUT/results.json (every case's measurements, the matmul peak, the wall time so far) and OUT/table.md."""
+    (out / "results.json").write_text(json.dumps({"matmul_peak_flops": peak, "wall_s": wall, "header": header,
+                                                  "cases": results}, indent=1))
+    (out / "table.md").write_text("\n".join(header) + "\n" + markdown_table(results, peak, on_cpu)
+                                  + f"\n\nwall {wall:.0f} s\n")
 
 
 if __name__ == "__main__":

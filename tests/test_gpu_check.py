@@ -1,12 +1,22 @@
-"""benchmarks/gpu_check.py cannot rot unseen: its CPU smoke mode runs here end to end (the same code as the
-GPU run, tiny shapes, float32, each case in its own process), and its FLOP count is checked by hand."""
+"""benchmarks/gpu_check.sh / gpu_check.py cannot rot unseen: the shell script's dry mode runs here end to end in an
+interpreter that has what the GPU machine's python3 has and not datasets, vllm, deepspeed, trl or rlhflab itself
+(the import path from src/, the CUDA test files collected, the CPU smoke benchmark: the same code as the GPU run,
+tiny shapes, float32, each case in its own process, results written to --out), and the FLOP count is checked by
+hand."""
 
 import importlib.util
+import json
+import os
 import re
+import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
+# what the GPU machine's python3 lacks (issue 31), and rlhflab's own installation (the script must not need it)
+ABSENT = ("datasets", "vllm", "deepspeed", "trl", "trackio", "playwright", "rlhflab", "__editable__")
 
 
 def load_script():
@@ -40,14 +50,45 @@ def test_byte_tokenizer_has_the_asked_vocabulary_and_one_token_per_byte():
     assert isinstance(tokenizer.decode(list(range(2, 600))), str)  # every id decodes
 
 
-def test_smoke_mode_runs_every_case_and_prints_the_table(capsys):
-    check = load_script()
-    assert check.main(["--smoke"]) == 0
-    out = capsys.readouterr().out
-    rows = [line for line in out.splitlines() if re.match(r"\| (ppo|grpo) \| lean \|", line)]
-    assert len(rows) == 2, out
+def bare_python(folder: Path) -> Path:
+    """A fresh virtualenv that sees this one's packages but none of ABSENT: each kept top-level entry of this
+    environment's site-packages linked into one folder, which the new environment's only .pth file names (no
+    other .pth file is read there, so rlhflab's editable install is not either)."""
+    kept = folder / "site-packages"
+    kept.mkdir(parents=True)
+    for entry in Path(sysconfig.get_paths()["purelib"]).iterdir():
+        if entry.suffix == ".pth" or entry.name.lower().startswith(ABSENT):
+            continue
+        (kept / entry.name).symlink_to(entry)
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(folder / "venv")], check=True)
+    site = next((folder / "venv" / "lib").glob("python*/site-packages"))
+    (site / "kept.pth").write_text(f"{kept}\n")
+    return folder / "venv" / "bin" / "python"
+
+
+def test_the_dry_run_works_without_datasets_or_an_installed_rlhflab_and_writes_its_results(tmp_path):
+    python = bare_python(tmp_path / "env")
+    probe = subprocess.run([str(python), "-c", "import importlib.util as u; "
+                            "print([m for m in ('datasets', 'rlhflab', 'torch', 'peft') if u.find_spec(m)])"],
+                           capture_output=True, text=True, cwd=tmp_path)
+    assert probe.stdout.strip() == "['torch', 'peft']", probe.stderr  # the interpreter is as bare as claimed
+    out = tmp_path / "out"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--dry", "--out", str(out)],
+                          env={**env, "PYTHON": str(python)}, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    log = (out / "log.txt").read_text()
+    assert f"rlhflab from {ROOT / 'src' / 'rlhflab' / '__init__.py'}" in log
+    assert re.search(r"not installed here: datasets, vllm, deepspeed, trl", log)
+    tests = (out / "tests.txt").read_text()
+    assert "needs a CUDA GPU" in tests and " skipped" in tests and "error" not in tests.lower()
+    results = json.loads((out / "results.json").read_text())
+    assert [(c["method"], c["backend"]) for c in results["cases"]] == [("ppo", "lean"), ("grpo", "lean")]
+    table = (out / "table.md").read_text()
+    rows = [line for line in table.splitlines() if re.match(r"\| (ppo|grpo) \| lean \|", line)]
+    assert len(rows) == 2 and "vllm left out: no CUDA GPU" in table, table
     for row in rows:
         cells = [c.strip() for c in row.strip("|").split("|")]
         episodes, tokens, mfu = float(cells[2]), float(cells[3]), float(cells[5].rstrip("%"))
         assert episodes > 0 and tokens > 0 and 0 < mfu < 100
-    assert "vllm left out: no CUDA GPU" in out
+    assert table.splitlines()[-1].startswith("wall ") and "gpu_check.sh: tests exit 0, benchmark exit 0" in log

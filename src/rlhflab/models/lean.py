@@ -291,8 +291,7 @@ def _decoder_layer(plan: LeanPlan, layer: LeanLayer, h: Tensor, allowed: Tensor,
     if read is not None:
         return _layer_at(plan, layer, h, x, k, v, allowed, cos, sin, read), k, v
     q = _rope(layer.q(x).view(batch, length, heads, dim).transpose(1, 2), cos, sin)
-    attn = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=layer.scaling,
-                                          enable_gqa=heads != kv_heads)
+    attn = grouped_attention(q, k, v, allowed, layer.scaling)
     h = h + layer.o(attn.transpose(1, 2).reshape(batch, length, heads * dim))
     x = layer.post_norm(h)
     return h + layer.down(layer.act(layer.gate(x)) * layer.up(x)), k, v
@@ -307,11 +306,33 @@ def _layer_at(plan: LeanPlan, layer: LeanLayer, h: Tensor, x: Tensor, k: Tensor,
     at = lambda t: torch.take_along_dim(t, read[:, :, None], dim=1)  # noqa: E731  (B, L, X) -> (B, m, X)
     at_query = lambda t: torch.take_along_dim(t, read[:, None, :, None], dim=2)  # noqa: E731  (B, 1, L, Y) -> m
     q = _rope(layer.q(at(x)).view(batch, m, heads, dim).transpose(1, 2), at_query(cos), at_query(sin))
-    attn = F.scaled_dot_product_attention(q, k, v, attn_mask=at_query(allowed), scale=layer.scaling,
-                                          enable_gqa=heads != plan.num_kv_heads)
+    attn = grouped_attention(q, k, v, at_query(allowed), layer.scaling)
     h = at(h) + layer.o(attn.transpose(1, 2).reshape(batch, m, heads * dim))
     x = layer.post_norm(h)
     return h + layer.down(layer.act(layer.gate(x)) * layer.up(x))
+
+
+def grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float,
+                      repeat_kv: bool | None = None) -> Tensor:
+    """Attention of (B, Hq, Lq, D) queries over (B, Hkv, L, D) keys and values (Hq a multiple of Hkv: grouped-query
+    attention) under `mask` (bool, True = may read, or additive). CUDA's fused attention kernels take no mask
+    together with `enable_gqa` (scaled_dot_product_attention then falls back to its math kernel, which forms every
+    (Lq, L) score matrix in full), so with a mask on a GPU the key and value heads are repeated to the query heads
+    first (`repeat_kv` None: decided by `repeats_kv_heads`); elsewhere SDPA reads them grouped. The same numbers."""
+    groups = q.shape[1] // k.shape[1]
+    if groups == 1:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    if repeat_kv is None:
+        repeat_kv = repeats_kv_heads(q.device.type, mask is not None)
+    if repeat_kv:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+
+
+def repeats_kv_heads(device_type: str, masked: bool) -> bool:
+    """Whether `grouped_attention` repeats the key / value heads: with a mask on a GPU (see there)."""
+    return masked and device_type == "cuda"
 
 
 def read_columns(flags: Tensor) -> tuple[Tensor, Tensor]:
