@@ -94,7 +94,7 @@ def test_engine_token_lists_with_pad_equal_to_eos_mask_only_real_tokens():
     assert out.query_ids.tolist() == [[1, 4], [5, 6], [1, 7]] and out.query_mask.tolist()[0] == [False, True]
 
 
-def test_vllm_is_refused_at_config_check_time_where_it_cannot_run(tmp_path):
+def test_vllm_is_refused_at_config_check_time_where_it_cannot_run(tmp_path, monkeypatch):
     from importlib.util import find_spec
 
     from rlhflab.config import EvalConfig
@@ -106,6 +106,12 @@ def test_vllm_is_refused_at_config_check_time_where_it_cannot_run(tmp_path):
         ppo.check_config(PPOConfig(model="no/such/folder", generation_backend=name))  # nothing loads at check time
     with pytest.raises(UserInputError, match="vllm_gpu_memory_utilization"):
         backends.check_backend(PPOConfig(model="m", generation_backend="vllm", vllm_gpu_memory_utilization=1.5))
+    with monkeypatch.context() as patched:  # several processes: refused, whatever this machine has
+        patched.setenv("WORLD_SIZE", "2")
+        with pytest.raises(UserInputError, match="runs in one process; this run has 2") as err:
+            ppo.check_config(PPOConfig(model="no/such/folder", generation_backend="vllm"))
+        assert "--generation_backend lean" in str(err.value)
+        ppo.check_config(PPOConfig(model="no/such/folder", generation_backend="lean"))
     if find_spec("vllm") is not None and torch.cuda.is_available():
         pytest.skip("vLLM and a CUDA GPU are both here: nothing to refuse")
     with pytest.raises(UserInputError) as err:

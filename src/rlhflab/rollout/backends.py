@@ -29,6 +29,7 @@ from torch import Tensor
 
 from rlhflab.data import left_pad
 from rlhflab.errors import UserInputError
+from rlhflab.parallel.world import launched_ranks
 from rlhflab.rollout.generate import BatchPlace, Generated, GenerationSettings, generate, response_mask_after_eos
 
 
@@ -100,6 +101,13 @@ def check_backend(cfg) -> None:
         raise UserInputError(f"vllm_gpu_memory_utilization must be in (0, 1), got {cfg.vllm_gpu_memory_utilization}",
                              "--vllm_gpu_memory_utilization",
                              "give the engine a share of the GPU and leave the rest to training, e.g. 0.3")
+    processes = launched_ranks()[1]
+    if processes > 1:  # trainers/online/loop.py: the held-out evaluation samples on rank 0 alone
+        raise UserInputError(f"generation_backend vllm runs in one process; this run has {processes}. Rank 0 alone "
+                             "samples the held-out evaluations, and a vLLM engine that rank 0 starts there by itself "
+                             "(distributed_executor_backend external_launcher) would wait for the other ranks forever",
+                             "--generation_backend vllm",
+                             "launch one process, or use --generation_backend lean (the default) or hf with several")
     missing = []
     if importlib.util.find_spec("vllm") is None:
         missing.append("the vllm package (not installed)")

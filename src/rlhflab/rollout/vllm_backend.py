@@ -1,8 +1,9 @@
 """vLLM as the generation backend, colocated with training on the same GPU (README "Generation backends").
 
 How it runs (the same scheme as TRL's `vllm_mode="colocate"`; vLLM docs "Sleep Mode"):
-- one `vllm.LLM` per training process, inside that process (`distributed_executor_backend="external_launcher"`,
-  which reads the torch.distributed variables a launcher sets; a single process gets rank 0 of 1), on the
+- one `vllm.LLM` inside the training process (`distributed_executor_backend="external_launcher"`, which reads
+  the torch.distributed variables; the process gets rank 0 of 1: several processes are refused at the config
+  check, rollout/backends.check_backend, since rank 0 alone samples the evaluations), on the
   training GPU, allowed `gpu_memory_utilization` of its memory; it starts at the first generation, from the
   policy's own folder, without a tokenizer (token ids in, token ids out);
 - before every generation the policy's current weights are copied into the engine (`model.load_weights` through
