@@ -184,3 +184,14 @@ def test_adapters_that_cannot_be_merged_are_refused_before_any_engine_starts():
     with pytest.raises(UserInputError, match="cannot be merged"):
         backend.push_weights(dora)
     assert backend.llm is None
+
+
+def test_the_vllm_engine_computes_in_vllm_dtype_whatever_the_training_dtype():
+    """vLLM's engine is built lazily (vllm imported at its first generation): its arguments are checkable anywhere."""
+    from rlhflab.config import PPOConfig
+
+    config = PPOConfig(model="m", generation_backend="vllm")  # training storage float32
+    assert config.dtype == "float32"
+    assert backends._vllm_from_config(config, "m", 256).engine_arguments["dtype"] == "bfloat16"
+    half = PPOConfig(model="m", generation_backend="vllm", dtype="bfloat16", vllm_dtype="float16")
+    assert backends._vllm_from_config(half, "m", 256).engine_arguments["dtype"] == "float16"

@@ -167,6 +167,9 @@ class GenerationBackendFields:
     vllm_sleep_mode: bool = arg(
         True, "vllm: put the engine to sleep between rollouts (weights to CPU, KV cache freed) so training gets "
               "that memory back")
+    vllm_dtype: Literal["bfloat16", "float16", "float32", "auto"] = arg(
+        "bfloat16", "vllm: the engine's weights and arithmetic, apart from --dtype (training's storage, float32 by "
+                    "default, which vLLM's fast attention kernels do not take); auto = the checkpoint's")
 
 
 @dataclass(frozen=True)

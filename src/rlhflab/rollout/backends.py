@@ -125,7 +125,7 @@ def check_backend(cfg) -> None:
 def _vllm_from_config(cfg, model_path: str, max_model_len: int | None) -> GenerationBackend:
     from rlhflab.rollout.vllm_backend import VLLMBackend  # imports vllm: only when asked for
 
-    return VLLMBackend(model_path=model_path, dtype=cfg.dtype, seed=cfg.seed,
+    return VLLMBackend(model_path=model_path, dtype=cfg.vllm_dtype, seed=cfg.seed,
                        gpu_memory_utilization=cfg.vllm_gpu_memory_utilization, sleep_mode=cfg.vllm_sleep_mode,
                        max_model_len=max_model_len, trust_remote_code=cfg.trust_remote_code)
 
