@@ -14,22 +14,25 @@
 # this in an interpreter without datasets: tests/test_gpu_check.py).
 # PYTHON=... picks the interpreter (default python3). Exit status: non-zero if a part failed.
 set -uo pipefail
-cd "$(dirname "$0")/.."
 OUT=gpu_check_out
 DRY=0
 PASS=()
 while [ $# -gt 0 ]; do
     case "$1" in
-        --out) OUT=$2; shift 2 ;;
+        --out) OUT=${2:?--out needs a folder}; shift 2 ;;
         --dry) DRY=1; shift ;;
         *) PASS+=("$1"); shift ;;
     esac
 done
-mkdir -p "$OUT"
+mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)  # a relative --out is the caller's, not the repository's
+cd "$(dirname "$0")/.."
+rm -f "$OUT/log.txt" "$OUT/tests.txt" "$OUT/results.json" "$OUT/table.md"  # no earlier run's figures left to mislead
 PY=${PYTHON:-python3}
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 OMP_WAIT_POLICY=PASSIVE HF_HUB_OFFLINE=1 \
     TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 exec > >(tee -a "$OUT/log.txt") 2>&1
+tee_pid=$!
+trap 'exec >&- 2>&-; wait "$tee_pid"' EXIT  # bash does not wait for tee: the log's last lines would be lost
 
 "$PY" - <<'PY' || exit 3
 import importlib.util, sys, torch, transformers, peft, accelerate, rlhflab
@@ -52,9 +55,9 @@ tests_status=${PIPESTATUS[0]}
 
 echo "## 2. PPO / GRPO benchmark"
 if [ "$DRY" -eq 1 ]; then
-    timeout 170 "$PY" benchmarks/gpu_check.py --smoke --budget_s 150 --out "$OUT" "${PASS[@]}"
+    timeout 170 "$PY" benchmarks/gpu_check.py --smoke --budget_s 150 --out "$OUT" ${PASS[@]+"${PASS[@]}"}
 else
-    timeout 170 "$PY" benchmarks/gpu_check.py --budget_s 150 --out "$OUT" "${PASS[@]}"
+    timeout 170 "$PY" benchmarks/gpu_check.py --budget_s 150 --out "$OUT" ${PASS[@]+"${PASS[@]}"}
 fi
 bench_status=$?
 

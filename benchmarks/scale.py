@@ -296,7 +296,7 @@ def memory_limit_mib(args, wait_s: float = 30.0) -> float:
     while True:
         available = next((int(line.split()[1]) / 1024 for line in Path("/proc/meminfo").read_text().splitlines()
                           if line.startswith("MemAvailable")), float("inf"))
-        if (last is not None and available < last + 64) or time.monotonic() > deadline:
+        if available == float("inf") or (last is not None and available < last + 64) or time.monotonic() > deadline:
             return min(args.max_rss_gb * 1024, available - 1024)
         last = available
         time.sleep(1.0)

@@ -43,6 +43,22 @@ def test_grouped_attention_is_plain_attention_over_each_querys_group():
     assert torch.allclose(out, expected, atol=1e-6)
 
 
+def test_the_lean_forward_asks_the_rule_and_repeats_the_heads_when_told(monkeypatch):
+    """What a GPU gets (the heads repeated under a mask), forced on the CPU: the dispatch reads
+    `repeats_kv_heads` with the device and whether a mask is given, and the numbers stay the grouped ones."""
+    from rlhflab.models import lean
+
+    q, k, v, allowed = inputs()
+    grouped = grouped_attention(q, k, v, allowed, 0.3)
+    asked = []
+    monkeypatch.setattr(lean, "repeats_kv_heads", lambda device, masked: asked.append((device, masked)) or True)
+    repeats = []
+    real = torch.Tensor.repeat_interleave
+    monkeypatch.setattr(torch.Tensor, "repeat_interleave", lambda t, *a, **kw: repeats.append(a) or real(t, *a, **kw))
+    assert torch.equal(lean.grouped_attention(q, k, v, allowed, 0.3), grouped)
+    assert asked == [("cpu", True)] and repeats == [(7,), (7,)]
+
+
 def test_only_a_masked_gpu_attention_repeats_the_heads():
     assert repeats_kv_heads("cuda", masked=True)
     assert not repeats_kv_heads("cuda", masked=False)  # the fused kernels take enable_gqa without a mask

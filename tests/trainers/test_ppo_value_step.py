@@ -32,7 +32,7 @@ def tiny_cfg(policy_dir, **overrides) -> PPOConfig:
     return PPOConfig(**{**base, **overrides})
 
 
-def roles_and_rollout(cfg):
+def roles_and_rollout(cfg, keep_graph=False):
     from rlhflab.trainers.online.setup import build_roles
 
     torch.manual_seed(0)  # the value model's fresh head: the same in every build
@@ -41,15 +41,15 @@ def roles_and_rollout(cfg):
     prompts = data.encode_prompts(tokenizer, [i.prompt for i in items])
     rollout = collect_rollout(roles, prompts, pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id,
                               settings=GenerationSettings(cfg.response_length, True, cfg.temperature),
-                              generator=torch.Generator().manual_seed(0))
+                              generator=torch.Generator().manual_seed(0), keep_graph=keep_graph)
     return roles, rollout
 
 
-def passes(cfg, optimizer_of=None, **hooks):
+def passes(cfg, optimizer_of=None, keep_graph=False):
     """One PPO update's passes on a fixed rollout with fixed advantages and returns: (roles, stats, trained
-    parameters before, after)."""
+    parameters before, after). `keep_graph`: the rollout keeps its policy forward for the first step."""
     algorithm = ppo.PPO(cfg)
-    roles, rollout = roles_and_rollout(cfg)
+    roles, rollout = roles_and_rollout(cfg, keep_graph)
     optimizer = optimizer_of(roles) if optimizer_of else make_optimizer(algorithm.param_groups(roles), cfg, fused=True)
     scheduler = make_scheduler(optimizer, cfg, 100)
     gen = torch.Generator().manual_seed(1)
@@ -67,10 +67,14 @@ def trained_named(roles):
         [(f"value.{n}", p) for n, p in roles.value_model.named_parameters()]
 
 
-def test_without_clipping_after_policy_is_the_joint_update(policy_dir):
-    """AdamW is per tensor and the two models share none: stepping them one after the other is the same update."""
-    joint = passes(tiny_cfg(policy_dir, max_grad_norm=0.0))
-    after = passes(tiny_cfg(policy_dir, max_grad_norm=0.0, value_step="after_policy"))
+@pytest.mark.parametrize("reuse", [False, True])
+def test_without_clipping_after_policy_is_the_joint_update(policy_dir, reuse):
+    """AdamW is per tensor and the two models share none: stepping them one after the other is the same update.
+    `reuse`: one minibatch of one micro-batch, whose first step reads the rollout's own forward (its log-probs
+    for the policy's part, its values for the value model's)."""
+    shape = dict(num_mini_batches=1, gradient_accumulation_steps=1) if reuse else {}
+    joint = passes(tiny_cfg(policy_dir, max_grad_norm=0.0, **shape), keep_graph=reuse)
+    after = passes(tiny_cfg(policy_dir, max_grad_norm=0.0, value_step="after_policy", **shape), keep_graph=reuse)
     moved = [n for n, p in joint[3].items() if not torch.equal(p, joint[2][n])]
     assert any(n.startswith("policy.") for n in moved) and any(n.startswith("value.") for n in moved)
     for name, p in joint[3].items():
@@ -116,6 +120,36 @@ def test_the_value_backward_holds_no_policy_gradient(policy_dir):
                advantages.clone(), cfg, torch.Generator().manual_seed(0))
     assert len(seen) == cfg.num_ppo_epochs * cfg.num_mini_batches * cfg.gradient_accumulation_steps
     assert seen == [0] * len(seen)
+
+
+def test_a_dropped_policy_step_leaves_the_value_step_and_the_schedule_running(policy_dir, monkeypatch):
+    """nonfinite=skip: a non-finite policy loss drops the policy's step only; the value model still steps, each
+    dropped part counts as a skipped step, and the LR schedule steps once per minibatch whose value step applied."""
+    from rlhflab.trainers.online import passes as online_passes
+
+    real = online_passes.micro_losses
+
+    def poisoned(*args, **kwargs):
+        loss, stats = real(*args, **kwargs)
+        return (loss * float("nan"), stats) if args[-1] == "policy" else (loss, stats)
+
+    monkeypatch.setattr(online_passes, "micro_losses", poisoned)
+    cfg = tiny_cfg(policy_dir, value_step="after_policy", nonfinite="skip")
+    algorithm = ppo.PPO(cfg)
+    roles, rollout = roles_and_rollout(cfg)
+    optimizer = make_optimizer(algorithm.param_groups(roles), cfg)
+    scheduler = make_scheduler(optimizer, cfg, 100)
+    before = {n: p.detach().clone() for n, p in trained_named(roles)}
+    mask = rollout.response_mask
+    advantages = torch.randn(mask.shape, generator=torch.Generator().manual_seed(1)).masked_fill(~mask, 0)
+    stats = run_passes(algorithm, roles, optimizer, scheduler, rollout, advantages, advantages.clone(), cfg,
+                       torch.Generator().manual_seed(0))
+    steps = cfg.num_ppo_epochs * cfg.num_mini_batches
+    assert stats["skipped"] == steps and scheduler.last_epoch == steps
+    after = dict(trained_named(roles))
+    assert all(torch.equal(after[n], before[n]) for n in before if n.startswith("policy."))
+    assert any(not torch.equal(after[n], before[n]) for n in before if n.startswith("value."))
+    assert "loss/value" in stats and "loss/policy" not in stats
 
 
 def test_a_critic_warm_up_rollout_steps_the_value_model_only(policy_dir):
@@ -165,6 +199,24 @@ def test_a_reloaded_reward_model_scores_as_the_resident_one_and_is_freed_after(r
         assert torch.equal(reloaded(prompts, answers, items).scores, resident)
     assert len(built) == 3
     assert built[1]() is None and built[2]() is None  # gone as soon as the call returns, no collection needed
+
+
+def test_a_reloaded_reward_model_keeps_the_calibration_of_the_resident_one(policy_dir, reward_dir):
+    from rlhflab.trainers.online.setup import build_reward, build_roles
+
+    items = tasks.build_splits(0, 22, 11, 11)["train"][:8]
+    prompts, answers = [i.prompt for i in items], [i.prompt[::-1] for i in items]
+    sources = {}
+    for mode in ("resident", "reload"):
+        cfg = tiny_cfg(policy_dir, reward="model", reward_model=reward_dir, reward_model_mode=mode,
+                       normalize_reward=True)
+        roles, tokenizer = build_roles(cfg)
+        sources[mode], norms = build_reward(cfg, tokenizer, roles.policy, items)
+        assert norms["calibration_answers"] == 8 and norms["shift"] != 0.0
+    assert isinstance(sources["reload"], rewards.ReloadedModelReward)
+    assert isinstance(sources["resident"], rewards.ModelReward)
+    resident = sources["resident"](prompts, answers, items).scores
+    assert torch.equal(sources["reload"](prompts, answers, items).scores, resident)
 
 
 def test_a_ppo_run_with_both_reloads_and_after_policy_steps(policy_dir, reward_dir, tmp_path):

@@ -75,13 +75,14 @@ def engine_step(engine: parallel.Wrapped, scheduler, loss: float, mode: str, sta
     """`clip_and_step` through an engine that clips and steps itself (DeepSpeed). Its norm is known only inside
     its step, where it drops an update whose norm is not finite (DeepSpeed's overflow rule): that is the skip.
     A non-finite loss whose gradients are finite is applied there, so it ends the run in either mode."""
-    lr = scheduler.get_last_lr()[0]
+    lr = scheduler.get_last_lr()[0] if scheduler is not None else float("nan")
     if not math.isfinite(loss) and mode == "stop":
         raise FloatingPointError(f"non-finite {stage} loss {loss} at lr {lr:.2e}")
     grad_norm = engine.step()
     dropped = not torch.isfinite(grad_norm)
     if not dropped and math.isfinite(loss):
-        scheduler.step()
+        if scheduler is not None:
+            scheduler.step()
         return grad_norm
     if mode == "stop":
         raise FloatingPointError(f"non-finite {stage} gradient norm at lr {lr:.2e}")

@@ -24,7 +24,7 @@ from rlhflab.config import PPOConfig
 from rlhflab.core import KL_ESTIMATORS, clipped_value_loss, gae, ppo_policy_loss, token_rewards, whiten
 from rlhflab.errors import UserInputError
 from rlhflab.tracking import RunDir, RunResult
-from rlhflab.trainers.online.algorithm import Advantages, AlgorithmDefaults, ScoredRollout, StepShare
+from rlhflab.trainers.online.algorithm import Advantages, AlgorithmDefaults, ScoredRollout, StepPart, StepShare
 from rlhflab.trainers.online.loop import train_online
 from rlhflab.trainers.online.monitor import Monitor
 from rlhflab.trainers.online.setup import check_online_config
@@ -92,7 +92,7 @@ class PPO(AlgorithmDefaults):
         return [{"params": [p for p in params if id(p) not in head]},
                 {"params": [p for p in params if id(p) in head], "lr": lr}]
 
-    def step_parts(self) -> tuple[str, ...]:
+    def step_parts(self) -> tuple[StepPart, ...]:
         """value_step=after_policy: the policy's step, then the value model's (only the value model's in a critic
         warm-up rollout); else one joint step."""
         if self.cfg.value_step == "joint":
@@ -121,7 +121,7 @@ class PPO(AlgorithmDefaults):
         return Advantages(advantages, returns, metrics)
 
     def loss(self, logprobs: Tensor | None, values: Tensor | None, batch: ScoredRollout, adv: Advantages,
-             idx: Tensor, share: StepShare, part: str = "all") -> tuple[Tensor, dict]:
+             idx: Tensor, share: StepShare, part: StepPart = "all") -> tuple[Tensor, dict]:
         """The clipped surrogate + vf_coef x the clipped value loss (`part` "all"), or one of them ("policy":
         `values` may be None; "value": `logprobs` may be None), a token mean over the minibatch."""
         cfg, rollout = self.cfg, batch.rollout

@@ -10,11 +10,16 @@ are formed, its loss, whether it has a critic, and the names its metrics take.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol
 
 from torch import Tensor
 
 from rlhflab.rollout.rollout import Rollout
+
+
+# what one optimiser step of a minibatch trains: every trained module ("all"), or, when an algorithm steps its
+# models one after another (PPO's value_step=after_policy), the policy's loss or the value model's
+StepPart = Literal["all", "policy", "value"]
 
 
 @dataclass(frozen=True)
@@ -71,7 +76,7 @@ class Algorithm(Protocol):
         `logprobs` (and `values`) are the current policy's on those rows. Stats: detached scalars."""
         ...
 
-    def step_parts(self) -> tuple[str, ...]:
+    def step_parts(self) -> tuple[StepPart, ...]:
         """What each minibatch steps, in order: ("all",) one optimiser step over every trained module; PPO with
         value_step=after_policy ("policy", "value"): two, `loss(..., part=...)` giving each part's loss."""
         ...
@@ -106,7 +111,7 @@ class AlgorithmDefaults:
     def step_metrics(self, stats: dict) -> dict:
         return {self.step_names[k]: v for k, v in stats.items() if k in self.step_names}
 
-    def step_parts(self) -> tuple[str, ...]:
+    def step_parts(self) -> tuple[StepPart, ...]:
         return ("all",)
 
     def param_groups(self, roles) -> list[dict]:

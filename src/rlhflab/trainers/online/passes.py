@@ -11,17 +11,19 @@ under FSDP2 and DeepSpeed each backward is a collective. DeepSpeed's engine clip
 from __future__ import annotations
 
 from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
 from rlhflab import parallel
 from rlhflab.trainers.nonfinite import clip_and_step
-from rlhflab.trainers.online.algorithm import Algorithm, ScoredRollout, StepShare
+from rlhflab.trainers.online.algorithm import Algorithm, ScoredRollout, StepPart, StepShare
 from rlhflab.trainers.online.ranks import merged_history, micro_batches, micro_cut
 
 
 def micro_losses(algorithm: Algorithm, roles, batch: ScoredRollout, adv, idx, share: StepShare, temperature: float,
-                 forward: tuple | None = None, part: str = "all"):
+                 forward: tuple | None = None, part: StepPart = "all"):
     """Loss of one micro-batch `idx`, scaled by its share of the step.
 
     `forward`: the rollout's own policy forward over all rows (`Rollout.policy_forward`: log-probs and values),
@@ -51,7 +53,9 @@ def update_passes(algorithm: Algorithm, roles, optimizer, scheduler, batch: Scor
     loss before its backward, and a step the scaler skips is counted there (amp/skipped_steps), not here.
     A minibatch whose algorithm steps its trained models one after another (`algorithm.step_parts()`: PPO's
     value_step=after_policy) takes one clipped optimiser step per part, each freeing its gradients before the
-    next part's backward; the parameters without a gradient are left as they are by that step."""
+    next part's backward (the parameters without a gradient are left as they are by that step); each part is
+    a step of its own for "skipped" and for fp16's scaler, and the LR schedule steps once for the minibatch
+    when any of its parts was applied."""
     world = trained.world if trained is not None else parallel.SINGLE
     roles.train(True)
     # FSDP2 may hold a layer unsharded between forwards: the optimiser's parameters are the sharded ones
@@ -73,14 +77,23 @@ def update_passes(algorithm: Algorithm, roles, optimizer, scheduler, batch: Scor
             share = StepShare(tokens=batch.mask[mb_idx].sum().clamp(min=1).item(), rows=len(mb_idx),
                               rollout_tokens=rollout_tokens, response_length=cfg.response_length,
                               steps=cfg.num_mini_batches, index=mb_idx)
-            dropped = False
-            for part in algorithm.step_parts():  # a part steps weights the other parts' forwards do not read
-                step_history = step.run(part, (epoch, start), mb_idx, share, reuse)
-                dropped |= step_history is None
-                history.extend(step_history or [])
+            parts = algorithm.step_parts()
+            applied = False
+            for part in parts:  # a part steps weights the other parts' forwards do not read
+                done = step.run(part, (epoch, start), mb_idx, share, reuse, steps_schedule=len(parts) == 1)
+                skipped += done.outcome == "dropped"
+                applied |= done.outcome == "applied"
+                history.extend(done.history)
+            if len(parts) > 1 and applied:  # the schedule counts minibatches with an applied step
+                scheduler.step()
             reuse = None  # its weights are stale after this minibatch
-            skipped += dropped
     return {**average_stats(merged_history(history, world)), "skipped": skipped}
+
+
+@dataclass(frozen=True)
+class StepDone:
+    history: list  # ((pass, minibatch start, micro-batch), stats) of this rank's real micro-batches; [] unless applied
+    outcome: Literal["applied", "dropped", "overflow"]  # dropped: non-finite; overflow: fp16's scaler skipped it
 
 
 class MinibatchStep:
@@ -96,9 +109,11 @@ class MinibatchStep:
         self.micro, self.count = micro_cut(batch.rollout.batch_size // cfg.num_mini_batches,
                                            cfg.gradient_accumulation_steps, self.world.world_size)
 
-    def run(self, part: str, place: tuple, mb_idx, share: StepShare, reuse: tuple | None) -> list | None:
-        """((pass, minibatch start, micro-batch), stats) of this rank's real micro-batches, with the step's
-        gradient norm on its last one (under "value_grad_norm" for the value part); None when it was dropped."""
+    def run(self, part: StepPart, place: tuple, mb_idx, share: StepShare, reuse: tuple | None,
+            steps_schedule: bool = True) -> StepDone:
+        """The step's outcome and, when applied, its micro-batches' stats, with the step's gradient norm on the
+        last one (under "value_grad_norm" for the value part). `steps_schedule`: the LR schedule steps with it
+        (else the caller steps it once for the minibatch)."""
         cfg, trained, precision = self.cfg, self.trained, self.roles.precision
         step_history, loss_value, rows = [], 0.0, mb_idx
         mine = micro_batches(mb_idx, cfg.gradient_accumulation_steps, self.world)
@@ -117,18 +132,18 @@ class MinibatchStep:
                 step_history.append(((*place, position), stats))
         name = self.algorithm.name.upper() + ("" if part == "all" else f" {part}")
         try:
-            grad_norm = clip_and_step(self.optimizer, self.scheduler if part in ("all", "value") else None,
+            grad_norm = clip_and_step(self.optimizer, self.scheduler if steps_schedule else None,
                                       self.params, cfg.max_grad_norm, loss_value, cfg.nonfinite, name,
                                       engine=trained, precision=precision)  # DeepSpeed steps itself
         except FloatingPointError as err:
             raise FloatingPointError(f"{name} update {self.update}: {err} "
                                      f"({rows_named(rows.tolist(), self.prompt_keys)}); "
                                      "no checkpoint written after it") from err
-        if grad_norm is None:  # dropped: its stats stay out of the averages (a step fp16's scaler skipped counts there)
-            return None if not precision.overflowed else []
+        if grad_norm is None:  # its stats stay out of the averages (a step fp16's scaler skipped is counted there)
+            return StepDone([], "overflow" if precision.overflowed else "dropped")
         if step_history and step_history[-1][0][2] == self.count - 1:  # once per step, on its last micro-batch
             step_history[-1][1]["value_grad_norm" if part == "value" else "grad_norm"] = grad_norm.detach()
-        return step_history
+        return StepDone(step_history, "applied")
 
 
 def backward(loss: torch.Tensor, real: bool, trained: parallel.Wrapped | None, precision) -> None:

@@ -40,6 +40,8 @@ def check_online_config(cfg: OnlineFields, epochs: int = 1, group: int = 1) -> N
         raise UserInputError(f"passes over each rollout must be > 0, got {epochs}", "--num_ppo_epochs / --num_iterations")
     if cfg.reward_model and cfg.reward in ("checker", "random"):
         log.warning("reward=%s: --reward_model %s is not used", cfg.reward, cfg.reward_model)
+    if cfg.reward_model_mode == "reload" and reward_kind(cfg) not in ("model", "combined"):
+        log.warning("--reward_model_mode reload: this run scores with no reward model (reward=%s)", reward_kind(cfg))
     if cfg.reward in ("checker", "combined") and cfg.train_file and not cfg.verifier.strip():
         log.warning("reward=%s on your own prompts: the suite's checker scores only rows with 'family' and "
                     "'reference' columns", cfg.reward)
