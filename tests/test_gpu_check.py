@@ -56,10 +56,12 @@ def bare_python(folder: Path) -> Path:
     other .pth file is read there, so rlhflab's editable install is not either)."""
     kept = folder / "site-packages"
     kept.mkdir(parents=True)
-    for entry in Path(sysconfig.get_paths()["purelib"]).iterdir():
-        if entry.suffix == ".pth" or entry.name.lower().startswith(ABSENT):
-            continue
-        (kept / entry.name).symlink_to(entry)
+    paths = sysconfig.get_paths()
+    for site in dict.fromkeys(Path(paths[key]).resolve() for key in ("purelib", "platlib")):
+        for entry in site.iterdir():
+            if entry.suffix == ".pth" or entry.name.lower().startswith(ABSENT) or (kept / entry.name).exists():
+                continue
+            (kept / entry.name).symlink_to(entry)
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(folder / "venv")], check=True)
     site = next((folder / "venv" / "lib").glob("python*/site-packages"))
     (site / "kept.pth").write_text(f"{kept}\n")
