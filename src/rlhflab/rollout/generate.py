@@ -48,6 +48,9 @@ class Generated:
     response_ids: Tensor  # (B, T) response tokens; pad_id after the first EOS
     response_mask: Tensor  # (B, T) bool, True up to and including the first EOS
     ended_with_eos: Tensor  # (B,) bool, False when the response hit the length cap
+    # (B, T) float32: the sampler's own log-probability of each response token, under the distribution it drew
+    # from (temperature, top-k / top-p applied); 0 where masked; None where the sampler does not report it
+    sampler_logprobs: Tensor | None = None
 
 
 def filter_logits(logits: Tensor, top_k: int, top_p: float) -> Tensor:
@@ -72,11 +75,25 @@ def next_tokens(logits: Tensor, settings: GenerationSettings, generator: torch.G
     `rows`: which rows of a `batch`-row decoding the logits belong to (finished rows were dropped, or the
     decoding is one process's part of a global batch): the sampling noise is still drawn for all `batch`
     rows, so a row's tokens do not depend on which others run."""
+    return sample_tokens(logits, settings, generator, rows, batch)[0]
+
+
+def sample_tokens(logits: Tensor, settings: GenerationSettings, generator: torch.Generator | None,
+                  rows: Tensor | None = None, batch: int = 0) -> tuple[Tensor, Tensor]:
+    """`next_tokens`, and each picked token's log-probability under the distribution it was drawn from
+    (B,) float32 (temperature and top-k / top-p applied; greedy decoding: 0, the one token it can pick)."""
     if not settings.do_sample:
-        return logits.argmax(dim=-1)
+        token = logits.argmax(dim=-1)
+        return token, torch.zeros(token.shape, dtype=torch.float32, device=token.device)
     logits = logits.float() if settings.temperature == 1.0 else logits.float() / settings.temperature
     logits = filter_logits(logits, settings.top_k, settings.top_p)
     probs = torch.softmax(logits, dim=-1)
+    token = draw(probs, generator, rows, batch)
+    return token, probs.gather(1, token.unsqueeze(1)).squeeze(1).log()
+
+
+def draw(probs: Tensor, generator: torch.Generator | None, rows: Tensor | None, batch: int) -> Tensor:
+    """One token per row of (B, V) probabilities (`next_tokens` says what `rows` and `batch` are)."""
     if generator is not None and generator.device.type != probs.device.type:
         # a CPU generator with a GPU model: sample on the CPU (slower, but reproducible)
         return torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(probs.device)
@@ -133,10 +150,13 @@ def generate(
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
     live = torch.arange(batch, device=device)  # the rows `logits` and `step` still decode
     tokens: list[Tensor] = []
+    sampled: list[Tensor] = []  # each step's log-probabilities of its tokens, under the sampler's distribution
     for _ in range(settings.max_new_tokens):
         rows = live + noise_first if noise_first else live
-        token = next_tokens(logits, settings, generator, rows, noise_rows).masked_fill(finished[live], pad_id)
+        token, logprob = sample_tokens(logits, settings, generator, rows, noise_rows)
+        token = token.masked_fill(finished[live], pad_id)
         tokens.append(torch.full((batch,), pad_id, dtype=token.dtype, device=device).index_copy_(0, live, token))
+        sampled.append(torch.zeros(batch, dtype=logprob.dtype, device=device).index_copy_(0, live, logprob))
         finished[live] |= token == eos_id
         if bool(finished.all()):
             break
@@ -151,7 +171,8 @@ def generate(
     response_ids = torch.stack(tokens, dim=1)  # (B, T)
     response_mask = response_mask_after_eos(response_ids, eos_id)
     response_ids = response_ids.masked_fill(~response_mask, pad_id)
-    return Generated(query_ids, query_mask.bool(), response_ids, response_mask, finished)
+    sampler_logprobs = torch.stack(sampled, dim=1).masked_fill(~response_mask, 0.0)
+    return Generated(query_ids, query_mask.bool(), response_ids, response_mask, finished, sampler_logprobs)
 
 
 def prefill(model, query_ids: Tensor, query_mask: Tensor, positions: Tensor, max_new_tokens: int, lean: bool):

@@ -29,6 +29,9 @@ class Rollout:
     # with keep_graph: the policy forward's (B, T) log-probs and (B, T) values (None: no critic), autograd graph
     # attached, which ARE the first training forward when one minibatch holds the whole rollout (ppo_epochs)
     policy_forward: tuple[Tensor, Tensor | None] | None = None
+    # (B, T) the sampler's own log-probs of the response tokens (Generated.sampler_logprobs); 0 where masked;
+    # None where the backend does not report them. Against `logprobs`: how far sampler and trainer disagree
+    sampler_logprobs: Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -100,6 +103,7 @@ def collect_rollout(
         ended_with_eos=out.ended_with_eos,
         seconds={"generation": generated - started, "forward": time.time() - generated},
         policy_forward=kept,
+        sampler_logprobs=torch.where(r_mask, out.sampler_logprobs, zero) if out.sampler_logprobs is not None else None,
     )
 
 
@@ -111,8 +115,11 @@ def widened(out: Generated, prompt_width: int, response_width: int, pad_id: int)
         extra = prompt_width - q_ids.shape[1]
         q_ids = torch.cat([q_ids.new_full((q_ids.shape[0], extra), pad_id), q_ids], dim=1)
         q_mask = torch.cat([q_mask.new_zeros((q_mask.shape[0], extra)), q_mask], dim=1)
+    sampled = out.sampler_logprobs
     if response_width > r_ids.shape[1]:
         extra = response_width - r_ids.shape[1]
         r_ids = torch.cat([r_ids, r_ids.new_full((r_ids.shape[0], extra), pad_id)], dim=1)
         r_mask = torch.cat([r_mask, r_mask.new_zeros((r_mask.shape[0], extra))], dim=1)
-    return Generated(q_ids, q_mask, r_ids, r_mask, out.ended_with_eos)
+        if sampled is not None:
+            sampled = torch.cat([sampled, sampled.new_zeros((sampled.shape[0], extra))], dim=1)
+    return Generated(q_ids, q_mask, r_ids, r_mask, out.ended_with_eos, sampled)

@@ -111,7 +111,24 @@ def rollout_metrics(batch: ScoredRollout, prompt_keys: list[int]) -> dict:
         "response/length_mean": lengths.mean().item(),
         "reward/invalid_rows": int((~valid).sum().item()),
         **diversity_metrics(rollout.response_ids, mask, rollout.ended_with_eos, prompt_keys, batch.group_size),
+        **sampler_metrics(rollout),
     }
+
+
+def sampler_metrics(rollout) -> dict:
+    """How far the sampler's log-probs of the sampled tokens are from the trainer's (the rollout's `logprobs`,
+    what the loss reads): the mean and largest |difference| per token, and the k1 estimate of KL(sampler ||
+    trainer) per response, sum over its tokens of log p_sampler - log p_trainer (the tokens are the sampler's
+    draws). ~0 for the lean and HF samplers in float32; kernels and precision move it, and so does top-k / top-p
+    (the sampler draws from the cut distribution, the trainer scores the whole one). {} where the backend does
+    not report its log-probs."""
+    if rollout.sampler_logprobs is None:
+        return {}
+    mask = rollout.response_mask
+    gap = torch.where(mask, rollout.sampler_logprobs - rollout.logprobs, torch.zeros_like(rollout.logprobs))
+    return {"sampler/logprob_diff_mean": masked_mean(gap.abs(), mask).item(),
+            "sampler/logprob_diff_max": gap.abs().max().item(),
+            "sampler/kl": gap.sum(dim=1).mean().item()}
 
 
 def draw_prompts(order: list[int], count: int, group: int, generator, num_rows: int) -> tuple[list[int], list[int]]:

@@ -131,7 +131,7 @@ def gather_rollout(rollout: Rollout, world: parallel.World) -> Rollout:
     if not world.distributed:
         return rollout
     fields = ("query_ids", "query_mask", "response_ids", "response_mask", "logprobs", "ref_logprobs", "values",
-              "entropy", "ended_with_eos")
+              "entropy", "ended_with_eos") + (("sampler_logprobs",) if rollout.sampler_logprobs is not None else ())
     return replace(rollout, policy_forward=None,
                    **{name: parallel.gather_rows(getattr(rollout, name), world) for name in fields})
 
