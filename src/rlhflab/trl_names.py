@@ -97,6 +97,13 @@ TRL_NAMES: dict[str, Counterpart] = {
     "warmup_ratio": _computed("warmup_steps", note="rlhflab counts warmup in optimiser steps: warmup_ratio x the "
                                                    "run's optimiser steps"),
     "adam_epsilon": _to("adam_eps"),
+    "vllm_importance_sampling_mode": _to("sampler_correction", note="the same mode names; TRL turns it on with "
+                                         "vllm_importance_sampling_correction, rlhflab with any mode but none"),
+    "vllm_importance_sampling_correction": _computed("sampler_correction", note="a mode (e.g. sequence_mask, TRL's "
+                                                     "default) turns it on, none off"),
+    "vllm_importance_sampling_clip_max": _to("sampler_correction_max"),
+    "vllm_importance_sampling_clip_min": _to("sampler_correction_min"),
+    "vllm_importance_sampling_cap": _to("sampler_correction_max"),
     "logging_steps": _to("log_every"),
     "eval_steps": _to("eval_every"),
     "eval_strategy": _to("eval_every"),

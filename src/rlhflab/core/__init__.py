@@ -11,6 +11,7 @@ from rlhflab.core.advantages import (
     rloo_advantages,
     token_rewards,
 )
+from rlhflab.core.importance import SAMPLER_CORRECTIONS, sampler_correction_weights
 from rlhflab.core.kl import KL_ESTIMATORS, AdaptiveKLController, FixedKLController, kl_k1, kl_k2, kl_k3
 from rlhflab.core.losses import (
     PREFERENCE_LOSSES,
@@ -31,4 +32,4 @@ from rlhflab.core.losses import (
 )
 from rlhflab.core.masked import mask_from_lengths, masked_mean, masked_sum, masked_var, whiten
 
-__all__ = [name for name in dir() if not name.startswith("_") and name not in {"advantages", "kl", "losses", "masked"}]
+__all__ = [name for name in dir() if not name.startswith("_") and name not in {"advantages", "importance", "kl", "losses", "masked"}]

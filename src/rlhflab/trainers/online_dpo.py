@@ -59,6 +59,10 @@ class OnlineDPO(AlgorithmDefaults):
                   "logps_chosen": "logps/chosen", "logps_rejected": "logps/rejected", "grad_norm": "grad_norm"}
 
     def __init__(self, cfg: OnlineDPOConfig):
+        if cfg.sampler_correction != "none":
+            raise UserInputError("online DPO's pairwise loss has no per-token policy-gradient term for "
+                                 f"--sampler_correction {cfg.sampler_correction} to weight", "--sampler_correction",
+                                 "leave it at none (the sampler/* metrics still show the mismatch)")
         if cfg.num_generations < 2:
             raise UserInputError(f"num_generations must be >= 2 to make a pair, got {cfg.num_generations}",
                                  "--num_generations", "e.g. --num_generations 4")

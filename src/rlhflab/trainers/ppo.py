@@ -24,7 +24,8 @@ from rlhflab.config import PPOConfig
 from rlhflab.core import KL_ESTIMATORS, clipped_value_loss, gae, ppo_policy_loss, token_rewards, whiten
 from rlhflab.errors import UserInputError
 from rlhflab.tracking import RunDir, RunResult
-from rlhflab.trainers.online.algorithm import Advantages, AlgorithmDefaults, ScoredRollout, StepPart, StepShare
+from rlhflab.trainers.online.algorithm import (Advantages, AlgorithmDefaults, ScoredRollout, StepPart, StepShare,
+                                               weighted_advantages)
 from rlhflab.trainers.online.loop import train_online
 from rlhflab.trainers.online.monitor import Monitor
 from rlhflab.trainers.online.setup import check_online_config
@@ -129,7 +130,8 @@ class PPO(AlgorithmDefaults):
         weight = mask.sum().item() / share.tokens  # token mean over the minibatch
         loss, stats = torch.zeros((), device=mask.device), {}
         if part != "value":
-            pg_loss, pg_stats = ppo_policy_loss(logprobs, rollout.logprobs[idx], adv.advantages[idx], mask, cfg.cliprange)
+            pg_loss, pg_stats = ppo_policy_loss(logprobs, rollout.logprobs[idx], weighted_advantages(batch, adv, idx),
+                                                mask, cfg.cliprange)
             ratio = torch.exp(logprobs - rollout.logprobs[idx]).detach()
             stats.update({"loss/policy": pg_loss.detach(), **{f"policy/{k}": v for k, v in pg_stats.items()},
                           "ratio_var": masked_var_of(ratio, mask)})

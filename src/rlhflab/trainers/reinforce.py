@@ -19,7 +19,8 @@ from rlhflab.core import (MovingAverageBaseline, discounted_returns, masked_mean
                           whiten)
 from rlhflab.errors import UserInputError
 from rlhflab.tracking import RunDir, RunResult
-from rlhflab.trainers.online.algorithm import Advantages, AlgorithmDefaults, ScoredRollout, StepShare
+from rlhflab.trainers.online.algorithm import (Advantages, AlgorithmDefaults, ScoredRollout, StepShare,
+                                               weighted_advantages)
 from rlhflab.trainers.online.loop import train_online
 from rlhflab.trainers.online.monitor import Monitor
 from rlhflab.trainers.online.setup import check_online_config
@@ -73,7 +74,7 @@ class REINFORCE(AlgorithmDefaults):
              share: StepShare) -> tuple[Tensor, dict]:
         mask = batch.mask[idx]
         ratio = torch.exp(torch.where(mask, logprobs - batch.rollout.logprobs[idx], torch.zeros_like(logprobs)))
-        per_token = -adv.advantages[idx] * ratio
+        per_token = -weighted_advantages(batch, adv, idx) * ratio
         loss = torch.where(mask, per_token, torch.zeros_like(per_token)).sum() / share.tokens
         stats = {"loss": loss.detach() * share.rows / len(idx), "ratio_mean": masked_mean(ratio.detach(), mask)}
         return loss, stats

@@ -32,6 +32,9 @@ class ScoredRollout:
     mask: Tensor  # (B, T) bool: response tokens of valid rows
     kl: Tensor  # (B, T) log pi_old - log pi_ref (k1) on `mask`, 0 elsewhere
     group_size: int  # responses per prompt, each prompt's group contiguous in the batch
+    # (B, T) importance weights on each token's policy-gradient term (core.sampler_correction_weights,
+    # --sampler_correction); None = off
+    sampler_weights: Tensor | None = None
 
     @property
     def sequence_kl(self) -> Tensor:
@@ -57,6 +60,13 @@ class StepShare:
     response_length: int  # the length cap
     steps: int  # optimiser steps per pass over the rollout (num_mini_batches)
     index: Tensor  # the step's rows of the rollout (the minibatch); a micro-batch is a slice of it
+
+
+def weighted_advantages(batch: ScoredRollout, adv: Advantages, idx: Tensor) -> Tensor:
+    """Rows `idx` of the advantages, times the --sampler_correction weights when on: a weight w >= 0 scales a
+    token's clipped surrogate term as it scales its advantage (max(-wA r, -wA clip(r)) = w max(-A r, -A clip(r)))."""
+    advantages = adv.advantages[idx]
+    return advantages if batch.sampler_weights is None else advantages * batch.sampler_weights[idx]
 
 
 class Algorithm(Protocol):

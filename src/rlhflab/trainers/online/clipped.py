@@ -50,6 +50,8 @@ def clipped_policy_loss(logprobs: Tensor, batch: ScoredRollout, adv: Advantages,
     advantages = adv.advantages[idx][:, :1]  # one per response, broadcast over its tokens
     per_token, low, high = clipped_ratio_loss(log_ratio, advantages, settings.epsilon_low, settings.epsilon_high)
     per_token = per_token.expand_as(logprobs)
+    if batch.sampler_weights is not None:  # --sampler_correction: on the policy-gradient term, not on the KL term
+        per_token = per_token * batch.sampler_weights[idx]
     kl = KL_ESTIMATORS["k3"](logprobs, rollout.ref_logprobs[idx], mask)
     if settings.kl_loss_coef:
         per_token = per_token + settings.kl_loss_coef * kl

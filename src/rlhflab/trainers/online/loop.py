@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 
 from rlhflab import data, models, parallel, rewards, sources
 from rlhflab.checkpoint import Checkpointer, open_run
-from rlhflab.core import masked_mean
+from rlhflab.core import masked_mean, sampler_correction_weights
 from rlhflab.data.prompt_rows import PromptRow
 from rlhflab.errors import UserInputError
 from rlhflab.models.precision import precision_from_config
@@ -96,6 +96,17 @@ def scored_batch(rollout: Rollout, scores, valid, group_size: int) -> ScoredRoll
     return ScoredRollout(rollout, scores, valid, mask, kl, group_size)
 
 
+def with_sampler_weights(batch: ScoredRollout, cfg) -> ScoredRollout:
+    """`batch` with the --sampler_correction weights of its tokens (trainer's old log-probs against the
+    sampler's), or as it is when the correction is off."""
+    rollout = batch.rollout
+    if cfg.sampler_correction == "none" or rollout.sampler_logprobs is None:
+        return batch
+    weights = sampler_correction_weights(rollout.logprobs, rollout.sampler_logprobs, batch.mask, cfg.sampler_correction,
+                                         cfg.sampler_correction_min, cfg.sampler_correction_max)
+    return dataclasses.replace(batch, sampler_weights=weights)
+
+
 def rollout_metrics(batch: ScoredRollout, prompt_keys: list[int]) -> dict:
     """Per-update metrics every algorithm logs (README "Metrics"); `prompt_keys[b]` names row b's prompt.
 
@@ -112,7 +123,20 @@ def rollout_metrics(batch: ScoredRollout, prompt_keys: list[int]) -> dict:
         "reward/invalid_rows": int((~valid).sum().item()),
         **diversity_metrics(rollout.response_ids, mask, rollout.ended_with_eos, prompt_keys, batch.group_size),
         **sampler_metrics(rollout),
+        **sampler_weight_metrics(batch),
     }
+
+
+def sampler_weight_metrics(batch: ScoredRollout) -> dict:
+    """The --sampler_correction weights of the update's tokens: mean, extremes, and the share set to 0 (mask modes)."""
+    if batch.sampler_weights is None:
+        return {}
+    weights, mask = batch.sampler_weights, batch.mask
+    big = torch.full_like(weights, float("inf"))
+    return {"sampler/is_weight_mean": masked_mean(weights, mask).item(),
+            "sampler/is_weight_min": torch.where(mask, weights, big).min().item(),
+            "sampler/is_weight_max": torch.where(mask, weights, -big).max().item(),
+            "sampler/is_dropped_share": masked_mean((weights == 0).float(), mask).item()}
 
 
 def sampler_metrics(rollout) -> dict:
@@ -243,7 +267,7 @@ def train_online(cfg, algorithm: Algorithm, run: RunDir | None = None, reward_fn
             t1 = time.time() - scoring
             if not valid.any():
                 raise FloatingPointError(f"update {update}: the reward source failed on every row of the batch")
-            batch = scored_batch(rollout, scores, valid, group)
+            batch = with_sampler_weights(scored_batch(rollout, scores, valid, group), cfg)
             # 4. the algorithm's advantages
             adv = algorithm.advantages(batch)
             bad_rows = (~torch.isfinite(adv.advantages)).any(dim=1)

@@ -30,6 +30,7 @@ def check_online_config(cfg: OnlineFields, epochs: int = 1, group: int = 1) -> N
         raise UserInputError("no policy given", "--model", "pass the SFT model folder, e.g. runs/demo-.../sft/model")
     check_backend(cfg)
     check_probe_fields(cfg)
+    check_sampler_correction(cfg)
     positive = {"batch_size": cfg.batch_size, "num_mini_batches": cfg.num_mini_batches,
                 "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
                 "response_length": cfg.response_length, "temperature": cfg.temperature}
@@ -62,6 +63,20 @@ def check_online_config(cfg: OnlineFields, epochs: int = 1, group: int = 1) -> N
         raise UserInputError(f"max_seconds must be >= 0, got {cfg.max_seconds}", "--max_seconds", "0 = no limit")
     if cfg.reward in ("model", "combined") and not cfg.reward_model:
         raise UserInputError(f"reward={cfg.reward} needs a reward model", "--reward_model", "pass a reward model folder")
+
+
+def check_sampler_correction(cfg: OnlineFields) -> None:
+    """--sampler_correction needs the sampler's own log-probs, and bounds around 1 (equal log-probs: weight 1)."""
+    if cfg.sampler_correction == "none":
+        return
+    if cfg.generation_backend == "vllm":
+        raise UserInputError("--sampler_correction needs the sampler's log-probs, which generation_backend vllm does "
+                             "not report yet", "--sampler_correction",
+                             "use --generation_backend lean or hf, or --sampler_correction none")
+    if not 0.0 <= cfg.sampler_correction_min <= 1.0 <= cfg.sampler_correction_max:
+        raise UserInputError(f"sampler correction bounds [{cfg.sampler_correction_min}, {cfg.sampler_correction_max}] "
+                             "must hold 1 and start at 0 or above", "--sampler_correction_min / --sampler_correction_max",
+                             "e.g. 0 and 3 (TRL's)")
 
 
 def _lora_targets(cfg: OnlineFields):
