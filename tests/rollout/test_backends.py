@@ -148,6 +148,30 @@ def test_sampling_arguments_match_rollout_generate_s_settings():
     sampled = sampling_arguments(GenerationSettings(12, True, 0.7, top_k=5, top_p=0.9), eos_id=3, seed=9)
     assert (sampled["temperature"], sampled["top_k"], sampled["top_p"], sampled["max_tokens"]) == (0.7, 5, 0.9, 12)
     assert sampled["stop_token_ids"] == [3] and sampled["ignore_eos"] and sampled["seed"] == 9
+    assert sampled["logprobs"] == 0  # the sampled token's own log-prob comes back with it
+
+
+def test_the_engine_s_log_probs_of_its_tokens_are_laid_out_with_them():
+    """vLLM's per-token {token id: Logprob} -> Generated.sampler_logprobs, aligned with the responses."""
+    from types import SimpleNamespace
+
+    from rlhflab.rollout.vllm_backend import sampled_logprobs
+
+    def completion(tokens, logprobs):
+        steps = [{t: SimpleNamespace(logprob=lp, rank=1), 99: SimpleNamespace(logprob=-9.0, rank=2)}
+                 for t, lp in zip(tokens, logprobs)]
+        return SimpleNamespace(token_ids=tokens, logprobs=steps)
+
+    rows = sampled_logprobs([completion([7, 1], [-0.5, -0.25]), completion([8, 9, 3], [-1.0, -2.0, -3.0])])
+    assert rows == [[-0.5, -0.25], [-1.0, -2.0, -3.0]]
+    assert sampled_logprobs([completion([7], [-0.5]), SimpleNamespace(token_ids=[8], logprobs=None)]) is None
+    out = generated_from_tokens([[4], [5, 6]], [[7, 1], [8, 9, 3]], [True, False], pad_id=PAD, eos_id=EOS,
+                                device="cpu", sampler_logprobs=rows)
+    assert out.sampler_logprobs.tolist() == [[-0.5, -0.25, 0.0], [-1.0, -2.0, -3.0]]
+    # an EOS the engine left out is appended without a log-prob: then none are kept
+    out = generated_from_tokens([[4]], [[7]], [True], pad_id=PAD, eos_id=EOS, device="cpu", sampler_logprobs=[[-0.5]])
+    assert out.response_ids.tolist() == [[7, EOS]] and out.sampler_logprobs is None
+    assert VLLMBackend("m").engine_arguments["logprobs_mode"] == "processed_logprobs"
 
 
 def lora_llama(r=4):

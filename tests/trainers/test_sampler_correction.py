@@ -80,11 +80,12 @@ def test_a_weight_scales_the_policy_gradient_and_zero_silences_it(policy_dir, st
     assert all(torch.equal(a, b) for a, b in zip(before, silenced))
 
 
-def test_what_the_sampler_correction_cannot_do_is_refused(policy_dir):
-    from rlhflab.trainers.online.setup import check_sampler_correction
+def test_auto_means_vllm_only_and_what_cannot_work_is_refused(policy_dir):
+    from rlhflab.trainers.online.setup import sampler_correction_mode
 
-    with pytest.raises(UserInputError, match="vllm does not report"):  # (where vLLM could run at all)
-        check_sampler_correction(PPOConfig(model=policy_dir, sampler_correction="token_mask", generation_backend="vllm"))
+    assert sampler_correction_mode(PPOConfig(model=policy_dir, generation_backend="vllm")) == "token_truncate"
+    assert sampler_correction_mode(PPOConfig(model=policy_dir)) == "none"  # lean: the trainer's own arithmetic
+    assert sampler_correction_mode(PPOConfig(model=policy_dir, sampler_correction="sequence_mask")) == "sequence_mask"
     with pytest.raises(UserInputError, match="must hold 1"):
         ppo.check_config(PPOConfig(model=policy_dir, sampler_correction="token_mask", sampler_correction_max=0.9))
     with pytest.raises(UserInputError, match="pairwise loss"):

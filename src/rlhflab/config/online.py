@@ -39,11 +39,12 @@ class OnlineFields(ParallelFields, MonitorFields, CheckpointFields, RunFields, M
     reuse_rollout_forward: bool = arg(
         True, "with one minibatch of one micro-batch: keep the rollout's policy forward (with its autograd graph) "
               "as the first training step's forward instead of repeating it (its activations stay alive during scoring)")
-    sampler_correction: Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = arg(
-        "none", "importance weights trainer / sampler probability on each token's policy-gradient term (TRL's "
+    sampler_correction: Literal["auto", "none", "token_truncate", "token_mask", "sequence_truncate",
+                                "sequence_mask"] = arg(
+        "auto", "importance weights trainer / sampler probability on each token's policy-gradient term (TRL's "
                 "vllm_importance_sampling_mode): per token or per response, clamped to [sampler_correction_min, "
-                "sampler_correction_max] (truncate) or dropped outside it (mask); none = off (the lean and hf "
-                "samplers agree with the trainer to ~1e-7 in float32: sampler/* metrics)")
+                "sampler_correction_max] (truncate) or dropped outside it (mask); none = off; auto = token_truncate "
+                "with vllm, none with lean and hf (they agree with the trainer to ~1e-7 in float32: sampler/* metrics)")
     sampler_correction_min: float = arg(0.0, "lower bound of the sampler-correction weights")
     sampler_correction_max: float = arg(3.0, "upper bound of the sampler-correction weights (TRL: 3.0)")
     mmap_threshold_mib: int = arg(

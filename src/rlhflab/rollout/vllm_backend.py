@@ -19,8 +19,10 @@ How it runs (the same scheme as TRL's `vllm_mode="colocate"`; vLLM docs "Sleep M
   sampling generator, and a stop at the tokenizer's EOS only (`ignore_eos` + `stop_token_ids`: a model's
   generation_config may list other stop tokens, which our response masks would not treat as the end);
 - the token ids come back as `Generated` (left-padded queries, mask up to and including the first EOS).
-vLLM's own log-probs are not used: the training model recomputes them over the sampled tokens
-(rollout/rollout.py), so the first minibatch's ratio is exactly 1 whatever the engine's kernels.
+The loss's old log-probs are the training model's own over the sampled tokens (rollout/rollout.py), so the first
+minibatch's ratio is exactly 1 whatever the engine's kernels; vLLM's log-probs of its tokens (processed: after
+temperature / top-k / top-p) come back as `Generated.sampler_logprobs`, for the sampler / trainer mismatch metrics
+and --sampler_correction.
 
 This module imports vllm only inside `VLLMBackend` methods, so its pure parts load (and are tested) anywhere.
 """
@@ -41,6 +43,17 @@ from rlhflab.rollout.generate import Generated, GenerationSettings
 log = logging.getLogger("rlhflab")
 
 
+def sampled_logprobs(completions) -> list[list[float]] | None:
+    """Each completion's log-probs of its own tokens, from vLLM's per-token {token id: Logprob} (asked for with
+    `logprobs=0`); None when the engine gave none."""
+    rows = []
+    for completion in completions:
+        if completion.logprobs is None:
+            return None
+        rows.append([step[token].logprob for token, step in zip(completion.token_ids, completion.logprobs)])
+    return rows
+
+
 def sampling_arguments(settings: GenerationSettings, eos_id: int, seed: int) -> dict:
     """`vllm.SamplingParams` keywords for one prompt: what rollout.generate would do with `settings`.
 
@@ -57,6 +70,7 @@ def sampling_arguments(settings: GenerationSettings, eos_id: int, seed: int) -> 
         "ignore_eos": True,  # only stop_token_ids ends a response: the primary EOS and generation_config's extra ones are off
         "stop_token_ids": [eos_id],
         "detokenize": False,  # the engine has no tokenizer; callers decode
+        "logprobs": 0,  # the sampled token's own log-prob (processed: the distribution it was drawn from)
     }
 
 
@@ -86,7 +100,8 @@ class VLLMBackend:
             model=model_path, skip_tokenizer_init=True, dtype=dtype, seed=seed,
             gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
             enable_sleep_mode=sleep_mode, trust_remote_code=trust_remote_code, enforce_eager=enforce_eager,
-            distributed_executor_backend="external_launcher")
+            distributed_executor_backend="external_launcher",
+            logprobs_mode="processed_logprobs")  # after temperature / top-k / top-p, as rollout.generate reports
         self.sleep_mode = sleep_mode
         self.llm = None
         self._asleep: set[str] = set()  # memory tags the engine has released
@@ -111,7 +126,8 @@ class VLLMBackend:
         completions = [o.outputs[0] for o in outputs]  # outputs come in the prompts' order
         return generated_from_tokens(prompts, [list(c.token_ids) for c in completions],
                                      [c.finish_reason == "stop" for c in completions],
-                                     pad_id=pad_id, eos_id=eos_id, device=device)
+                                     pad_id=pad_id, eos_id=eos_id, device=device,
+                                     sampler_logprobs=sampled_logprobs(completions))
 
     def push_weights(self, model: torch.nn.Module) -> None:
         """Copy the policy's current weights into the engine."""

@@ -59,7 +59,7 @@ class OnlineDPO(AlgorithmDefaults):
                   "logps_chosen": "logps/chosen", "logps_rejected": "logps/rejected", "grad_norm": "grad_norm"}
 
     def __init__(self, cfg: OnlineDPOConfig):
-        if cfg.sampler_correction != "none":
+        if cfg.sampler_correction not in ("auto", "none"):  # auto: weights computed and logged, never read here
             raise UserInputError("online DPO's pairwise loss has no per-token policy-gradient term for "
                                  f"--sampler_correction {cfg.sampler_correction} to weight", "--sampler_correction",
                                  "leave it at none (the sampler/* metrics still show the mismatch)")

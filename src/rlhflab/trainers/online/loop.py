@@ -47,7 +47,8 @@ from rlhflab.trainers.online.passes import (average_stats, micro_losses, rows_na
 from rlhflab.trainers.online.ranks import (OnlineRanks, check_world, gather_rollout, rollout_generator,
                                            rollout_place, wrap_roles)
 from rlhflab.trainers.online.save import save_policy_models
-from rlhflab.trainers.online.setup import build_reward, build_roles, build_verifier, check_online_config, reward_kind
+from rlhflab.trainers.online.setup import (build_reward, build_roles, build_verifier, check_online_config,
+                                           reward_kind, sampler_correction_mode)
 from rlhflab.trainers.online.state import Progress, pack_online, unpack_online
 from rlhflab.trainers.setup import configure_allocator, configure_threads, make_optimizer, make_scheduler
 from rlhflab.trainers.setup import seed_everything
@@ -99,10 +100,10 @@ def scored_batch(rollout: Rollout, scores, valid, group_size: int) -> ScoredRoll
 def with_sampler_weights(batch: ScoredRollout, cfg) -> ScoredRollout:
     """`batch` with the --sampler_correction weights of its tokens (trainer's old log-probs against the
     sampler's), or as it is when the correction is off."""
-    rollout = batch.rollout
-    if cfg.sampler_correction == "none" or rollout.sampler_logprobs is None:
+    rollout, mode = batch.rollout, sampler_correction_mode(cfg)
+    if mode == "none" or rollout.sampler_logprobs is None:
         return batch
-    weights = sampler_correction_weights(rollout.logprobs, rollout.sampler_logprobs, batch.mask, cfg.sampler_correction,
+    weights = sampler_correction_weights(rollout.logprobs, rollout.sampler_logprobs, batch.mask, mode,
                                          cfg.sampler_correction_min, cfg.sampler_correction_max)
     return dataclasses.replace(batch, sampler_weights=weights)
 

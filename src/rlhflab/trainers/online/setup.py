@@ -65,14 +65,18 @@ def check_online_config(cfg: OnlineFields, epochs: int = 1, group: int = 1) -> N
         raise UserInputError(f"reward={cfg.reward} needs a reward model", "--reward_model", "pass a reward model folder")
 
 
+def sampler_correction_mode(cfg: OnlineFields) -> str:
+    """--sampler_correction with auto resolved: token_truncate where vLLM samples, none where the lean or HF
+    sampler does (the trainer's own arithmetic: nothing to correct)."""
+    if cfg.sampler_correction != "auto":
+        return cfg.sampler_correction
+    return "token_truncate" if cfg.generation_backend == "vllm" else "none"
+
+
 def check_sampler_correction(cfg: OnlineFields) -> None:
-    """--sampler_correction needs the sampler's own log-probs, and bounds around 1 (equal log-probs: weight 1)."""
-    if cfg.sampler_correction == "none":
+    """--sampler_correction's bounds hold 1 (equal log-probs: weight 1)."""
+    if sampler_correction_mode(cfg) == "none":
         return
-    if cfg.generation_backend == "vllm":
-        raise UserInputError("--sampler_correction needs the sampler's log-probs, which generation_backend vllm does "
-                             "not report yet", "--sampler_correction",
-                             "use --generation_backend lean or hf, or --sampler_correction none")
     if not 0.0 <= cfg.sampler_correction_min <= 1.0 <= cfg.sampler_correction_max:
         raise UserInputError(f"sampler correction bounds [{cfg.sampler_correction_min}, {cfg.sampler_correction_max}] "
                              "must hold 1 and start at 0 or above", "--sampler_correction_min / --sampler_correction_max",
