@@ -168,9 +168,13 @@ def test_the_engine_s_log_probs_of_its_tokens_are_laid_out_with_them():
     out = generated_from_tokens([[4], [5, 6]], [[7, 1], [8, 9, 3]], [True, False], pad_id=PAD, eos_id=EOS,
                                 device="cpu", sampler_logprobs=rows)
     assert out.sampler_logprobs.tolist() == [[-0.5, -0.25, 0.0], [-1.0, -2.0, -3.0]]
-    # an EOS the engine left out is appended without a log-prob: then none are kept
+    # an EOS the engine left out is appended without a log-prob: NaN there (the rollout puts the trainer's own)
     out = generated_from_tokens([[4]], [[7]], [True], pad_id=PAD, eos_id=EOS, device="cpu", sampler_logprobs=[[-0.5]])
-    assert out.response_ids.tolist() == [[7, EOS]] and out.sampler_logprobs is None
+    assert out.response_ids.tolist() == [[7, EOS]] and out.sampler_logprobs[0, 0].item() == -0.5
+    assert torch.isnan(out.sampler_logprobs[0, 1])
+    from rlhflab.rollout.rollout import sampler_logprobs_of
+
+    assert sampler_logprobs_of(out, torch.tensor([[-0.75, -0.25]])).tolist() == [[-0.5, -0.25]]
     assert VLLMBackend("m").engine_arguments["logprobs_mode"] == "processed_logprobs"
 
 

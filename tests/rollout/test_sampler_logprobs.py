@@ -29,10 +29,10 @@ def test_a_drawn_tokens_log_probability_is_the_one_of_the_distribution_it_was_dr
 
 
 def test_the_sampler_metrics_hand_worked():
-    class Rollout:
+    class Rollout:  # junk where masked: it must not count
         response_mask = torch.tensor([[True, True, False], [True, False, False]])
-        logprobs = torch.tensor([[-1.0, -2.0, 0.0], [-0.5, 0.0, 0.0]])
-        sampler_logprobs = torch.tensor([[-1.5, -1.0, 0.0], [-0.5, 0.0, 0.0]])
+        logprobs = torch.tensor([[-1.0, -2.0, -9.0], [-0.5, -4.0, 3.0]])
+        sampler_logprobs = torch.tensor([[-1.5, -1.0, 5.0], [-0.5, 7.0, 0.0]])
 
     metrics = sampler_metrics(Rollout())
     assert metrics["sampler/logprob_diff_mean"] == pytest.approx((0.5 + 1.0 + 0.0) / 3)
@@ -50,14 +50,23 @@ def policy_dir(tmp_path_factory):
 @pytest.mark.parametrize("backend", ["lean", "hf"])
 @pytest.mark.parametrize("precision", ["no", "bf16"])
 def test_sampler_and_trainer_agree_in_float32_and_nearly_in_bf16(policy_dir, backend, precision):
-    cfg = GRPOConfig(model=policy_dir, generation_backend=backend, mixed_precision=precision, response_length=8,
+    """Rows that finish early too (the untrained model's most frequent token stands in for EOS), so the decoder
+    drops finished rows and the log-probs must stay with their tokens."""
+    cfg = GRPOConfig(model=policy_dir, generation_backend=backend, mixed_precision=precision, response_length=16,
                      threads=1)
     roles, tokenizer = build_roles(cfg, critic=False)
     items = tasks.build_splits(0, 22, 11, 11)["train"][:8]
     prompts = data.encode_prompts(tokenizer, [i.prompt for i in items])
-    rollout = collect_rollout(roles, prompts, pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id,
-                              settings=GenerationSettings(8, True, 0.9), generator=torch.Generator().manual_seed(0))
+
+    def rollout_with(eos):
+        return collect_rollout(roles, prompts, pad_id=tokenizer.pad_token_id, eos_id=eos,
+                               settings=GenerationSettings(16, True, 0.9), generator=torch.Generator().manual_seed(0))
+
+    eos = torch.bincount(rollout_with(tokenizer.eos_token_id).response_ids.flatten()).argmax().item()
+    rollout = rollout_with(eos)
     mask = rollout.response_mask
+    lengths = mask.sum(dim=1)
+    assert int(lengths.min()) < int(lengths.max()) <= 16  # some rows stopped early
     assert rollout.sampler_logprobs is not None and bool((rollout.sampler_logprobs[~mask] == 0).all())
     metrics = sampler_metrics(rollout)
     if precision == "no":  # the decoder's step and the whole-sequence forward: the same numbers to rounding

@@ -25,9 +25,10 @@ def policy_dir(tmp_path_factory):
     return save_suite_model(tmp_path_factory.mktemp("policy"))
 
 
-def one_update(policy_dir, stage, sampler_shift=None, **overrides):
+def one_update(policy_dir, stage, sampler_shift=None, scores=None, ref_shift=0.0, **overrides):
     """One update's passes with SGD on a fixed rollout; the sampler's log-probs are the trainer's minus
-    `sampler_shift` (None: the sampler reports none). Returns the policy's parameters before and after, and the batch."""
+    `sampler_shift` (None: the sampler reports none), the reference's minus `ref_shift` (a KL to pull back).
+    Returns the trained parameters (policy, then any value head) before and after, and the batch."""
     config_class, algorithm_class = STAGES[stage]
     base = dict(model=policy_dir, batch_size=8, num_mini_batches=1, response_length=6, total_episodes=8, threads=1,
                 temperature=0.9, max_grad_norm=0.0)
@@ -43,16 +44,17 @@ def one_update(policy_dir, stage, sampler_shift=None, **overrides):
                               settings=GenerationSettings(cfg.response_length, True, cfg.temperature),
                               generator=torch.Generator().manual_seed(0))
     sampler = None if sampler_shift is None else rollout.logprobs - sampler_shift * rollout.response_mask
-    rollout = dataclasses.replace(rollout, sampler_logprobs=sampler)
-    scores = torch.arange(8, dtype=torch.float32) % 3
+    rollout = dataclasses.replace(rollout, sampler_logprobs=sampler,
+                                  ref_logprobs=rollout.ref_logprobs - ref_shift * rollout.response_mask)
+    scores = torch.arange(8, dtype=torch.float32) % 3 if scores is None else scores
     batch = with_sampler_weights(scored_batch(rollout, scores, torch.ones(8, dtype=torch.bool), algorithm.samples_per_prompt
                                               if stage == "grpo" else 1), cfg)
     adv = algorithm.advantages(batch)
     optimizer = torch.optim.SGD(roles.trainable_parameters(), lr=0.1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
-    before = [p.detach().clone() for p in roles.policy.parameters()]
+    before = [p.detach().clone() for p in roles.trainable_parameters()]
     update_passes(algorithm, roles, optimizer, scheduler, batch, adv, cfg, torch.Generator().manual_seed(0))
-    return before, [p.detach().clone() for p in roles.policy.parameters()], batch
+    return before, [p.detach().clone() for p in roles.trainable_parameters()], batch
 
 
 @pytest.mark.parametrize("stage", sorted(STAGES))
@@ -78,6 +80,19 @@ def test_a_weight_scales_the_policy_gradient_and_zero_silences_it(policy_dir, st
     _, silenced, batch = one_update(policy_dir, stage, sampler_shift=5.0, sampler_correction="sequence_mask")
     assert sampler_weight_metrics(batch)["sampler/is_dropped_share"] == 1.0
     assert all(torch.equal(a, b) for a, b in zip(before, silenced))
+
+
+def test_the_kl_term_and_the_value_loss_are_not_weighted(policy_dir):
+    """Every response dropped (sequence_mask far out of bounds): GRPO still takes its k3 KL term's step, the one it
+    takes when no answer has an advantage; PPO's value head still learns."""
+    pulled = dict(ref_shift=0.5, beta=0.1)
+    start, kl_only, _ = one_update(policy_dir, "grpo", scores=torch.zeros(8), **pulled)
+    assert any(not torch.equal(a, b) for a, b in zip(start, kl_only))  # the KL term alone moves the policy
+    _, dropped, batch = one_update(policy_dir, "grpo", sampler_shift=5.0, sampler_correction="sequence_mask", **pulled)
+    assert bool((batch.sampler_weights == 0).all())
+    assert all(torch.allclose(a, b, atol=1e-7) for a, b in zip(kl_only, dropped))
+    before, after, _ = one_update(policy_dir, "ppo", sampler_shift=5.0, sampler_correction="sequence_mask", vf_coef=0.5)
+    assert any(not torch.equal(a, b) for a, b in zip(before, after))
 
 
 def test_auto_means_vllm_only_and_what_cannot_work_is_refused(policy_dir):

@@ -164,7 +164,7 @@ def generated_from_tokens(prompts: list[list[int]], responses: list[list[int]], 
     stopped because it produced EOS (else it ran to the length cap). Queries are left-padded; responses are
     padded on the right to the longest one; the mask is True up to and including the first EOS and never on
     padding, even when pad == eos. `sampler_logprobs[b]`: the engine's log-prob of each of `responses[b]`'s
-    tokens; none are kept where a row's count differs from its tokens' (an EOS the engine left out, say)."""
+    tokens; NaN on a token it gave none for (an EOS the engine left out and that is appended here)."""
     rows = []
     for tokens, stopped in zip(responses, stopped_at_eos, strict=True):
         tokens = list(tokens)
@@ -182,10 +182,10 @@ def generated_from_tokens(prompts: list[list[int]], responses: list[list[int]], 
     query_ids, query_mask = left_pad(prompts, pad_id)
     response_ids = response_ids.masked_fill(~response_mask, pad_id)
     sampled = None
-    if sampler_logprobs is not None and all(len(lp) == len(r) for lp, r in zip(sampler_logprobs, rows, strict=True)):
-        sampled = torch.zeros(response_ids.shape, dtype=torch.float32)
+    if sampler_logprobs is not None:
+        sampled = torch.full(response_ids.shape, float("nan"))
         for b, row in enumerate(sampler_logprobs):
-            sampled[b, : len(row)] = torch.tensor(row, dtype=torch.float32)
+            sampled[b, : len(row)] = torch.tensor(row[: width], dtype=torch.float32)
         sampled = sampled.masked_fill(~response_mask, 0.0).to(device)
     to = lambda t: t.to(device)  # noqa: E731
     return Generated(to(query_ids), to(query_mask.bool()), to(response_ids), to(response_mask), to(ended), sampled)

@@ -103,8 +103,17 @@ def collect_rollout(
         ended_with_eos=out.ended_with_eos,
         seconds={"generation": generated - started, "forward": time.time() - generated},
         policy_forward=kept,
-        sampler_logprobs=torch.where(r_mask, out.sampler_logprobs, zero) if out.sampler_logprobs is not None else None,
+        sampler_logprobs=sampler_logprobs_of(out, logprobs),
     )
+
+
+def sampler_logprobs_of(out: Generated, logprobs: Tensor) -> Tensor | None:
+    """The sampler's log-probs of the response tokens, 0 where masked; where the sampler gave none for a token (NaN:
+    an EOS an engine left out), the trainer's own, so that token shows no mismatch and gets a weight of exactly 1."""
+    if out.sampler_logprobs is None:
+        return None
+    sampled = torch.where(torch.isnan(out.sampler_logprobs), logprobs.float(), out.sampler_logprobs)
+    return torch.where(out.response_mask, sampled, torch.zeros((), dtype=sampled.dtype))
 
 
 def widened(out: Generated, prompt_width: int, response_width: int, pad_id: int) -> Generated:

@@ -54,12 +54,13 @@ class OnlineDPO(AlgorithmDefaults):
     name = "online-dpo"
     critic = False
     whole_groups = True  # a pair's two answers must be in the same micro-batch
+    policy_gradient = False  # a pairwise loss: nothing for --sampler_correction to weight
     step_names = {"loss": "loss", "chosen_rewards": "rewards/chosen", "rejected_rewards": "rewards/rejected",
                   "reward_accuracy": "rewards/accuracies", "reward_margin": "rewards/margins",
                   "logps_chosen": "logps/chosen", "logps_rejected": "logps/rejected", "grad_norm": "grad_norm"}
 
     def __init__(self, cfg: OnlineDPOConfig):
-        if cfg.sampler_correction not in ("auto", "none"):  # auto: weights computed and logged, never read here
+        if cfg.sampler_correction not in ("auto", "none"):  # auto: no weights here (policy_gradient False)
             raise UserInputError("online DPO's pairwise loss has no per-token policy-gradient term for "
                                  f"--sampler_correction {cfg.sampler_correction} to weight", "--sampler_correction",
                                  "leave it at none (the sampler/* metrics still show the mismatch)")

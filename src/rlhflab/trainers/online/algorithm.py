@@ -75,6 +75,7 @@ class Algorithm(Protocol):
     samples_per_prompt: int
     epochs: int  # passes over each rollout
     whole_groups: bool  # minibatches and micro-batches hold each prompt's samples together (online DPO's pairs)
+    policy_gradient: bool  # its loss has a per-token policy-gradient term (--sampler_correction weights it)
 
     def advantages(self, batch: ScoredRollout) -> Advantages:
         """Advantages (and value targets) of a scored rollout; called once per update, before any step."""
@@ -117,6 +118,7 @@ class AlgorithmDefaults:
     optimiser step a minibatch."""
 
     step_names: dict[str, str] = {}  # averaged loss stat -> its metric name (TRL's where TRL has one)
+    policy_gradient = True
 
     def step_metrics(self, stats: dict) -> dict:
         return {self.step_names[k]: v for k, v in stats.items() if k in self.step_names}

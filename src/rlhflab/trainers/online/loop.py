@@ -97,11 +97,21 @@ def scored_batch(rollout: Rollout, scores, valid, group_size: int) -> ScoredRoll
     return ScoredRollout(rollout, scores, valid, mask, kl, group_size)
 
 
-def with_sampler_weights(batch: ScoredRollout, cfg) -> ScoredRollout:
+UNREPORTED: list[str] = []  # a warning already given (with_sampler_weights)
+
+
+def with_sampler_weights(batch: ScoredRollout, cfg, policy_gradient: bool = True) -> ScoredRollout:
     """`batch` with the --sampler_correction weights of its tokens (trainer's old log-probs against the
-    sampler's), or as it is when the correction is off."""
+    sampler's), or as it is when the correction is off or the algorithm has no policy-gradient term to weight
+    (`policy_gradient` False: online DPO). A sampler that reported no log-probs is warned about once."""
     rollout, mode = batch.rollout, sampler_correction_mode(cfg)
-    if mode == "none" or rollout.sampler_logprobs is None:
+    if mode == "none" or not policy_gradient:
+        return batch
+    if rollout.sampler_logprobs is None:
+        if not UNREPORTED:
+            log.warning("--sampler_correction %s: the %s sampler reported no log-probs; the update is not corrected",
+                        mode, cfg.generation_backend)
+            UNREPORTED.append(mode)
         return batch
     weights = sampler_correction_weights(rollout.logprobs, rollout.sampler_logprobs, batch.mask, mode,
                                          cfg.sampler_correction_min, cfg.sampler_correction_max)
@@ -268,7 +278,7 @@ def train_online(cfg, algorithm: Algorithm, run: RunDir | None = None, reward_fn
             t1 = time.time() - scoring
             if not valid.any():
                 raise FloatingPointError(f"update {update}: the reward source failed on every row of the batch")
-            batch = with_sampler_weights(scored_batch(rollout, scores, valid, group), cfg)
+            batch = with_sampler_weights(scored_batch(rollout, scores, valid, group), cfg, algorithm.policy_gradient)
             # 4. the algorithm's advantages
             adv = algorithm.advantages(batch)
             bad_rows = (~torch.isfinite(adv.advantages)).any(dim=1)

@@ -131,9 +131,11 @@ def gather_rollout(rollout: Rollout, world: parallel.World) -> Rollout:
     if not world.distributed:
         return rollout
     fields = ("query_ids", "query_mask", "response_ids", "response_mask", "logprobs", "ref_logprobs", "values",
-              "entropy", "ended_with_eos") + (("sampler_logprobs",) if rollout.sampler_logprobs is not None else ())
-    return replace(rollout, policy_forward=None,
-                   **{name: parallel.gather_rows(getattr(rollout, name), world) for name in fields})
+              "entropy", "ended_with_eos")
+    if not world.any(rollout.sampler_logprobs is None):  # every rank gathers the same fields
+        fields += ("sampler_logprobs",)
+    gathered = {name: parallel.gather_rows(getattr(rollout, name), world) for name in fields}
+    return replace(rollout, policy_forward=None, **{"sampler_logprobs": None, **gathered})
 
 
 # --- engines ---------------------------------------------------------------------------------
