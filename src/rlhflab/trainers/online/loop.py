@@ -21,6 +21,7 @@ scored rollout, so steps 4-7 are the single-process ones; trainers/online/ranks.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 
@@ -97,9 +98,6 @@ def scored_batch(rollout: Rollout, scores, valid, group_size: int) -> ScoredRoll
     return ScoredRollout(rollout, scores, valid, mask, kl, group_size)
 
 
-UNREPORTED: list[str] = []  # a warning already given (with_sampler_weights)
-
-
 def with_sampler_weights(batch: ScoredRollout, cfg, policy_gradient: bool = True) -> ScoredRollout:
     """`batch` with the --sampler_correction weights of its tokens (trainer's old log-probs against the
     sampler's), or as it is when the correction is off or the algorithm has no policy-gradient term to weight
@@ -108,14 +106,18 @@ def with_sampler_weights(batch: ScoredRollout, cfg, policy_gradient: bool = True
     if mode == "none" or not policy_gradient:
         return batch
     if rollout.sampler_logprobs is None:
-        if not UNREPORTED:
-            log.warning("--sampler_correction %s: the %s sampler reported no log-probs; the update is not corrected",
-                        mode, cfg.generation_backend)
-            UNREPORTED.append(mode)
+        warn_uncorrected(mode, cfg.generation_backend)
         return batch
     weights = sampler_correction_weights(rollout.logprobs, rollout.sampler_logprobs, batch.mask, mode,
                                          cfg.sampler_correction_min, cfg.sampler_correction_max)
     return dataclasses.replace(batch, sampler_weights=weights)
+
+
+@functools.lru_cache(maxsize=None)
+def warn_uncorrected(mode: str, backend: str) -> None:
+    """Once per (mode, backend): the sampler reported no log-probs, so --sampler_correction has nothing to weigh."""
+    log.warning("--sampler_correction %s: the %s sampler reported no log-probs; the update is not corrected",
+                mode, backend)
 
 
 def rollout_metrics(batch: ScoredRollout, prompt_keys: list[int]) -> dict:
