@@ -85,3 +85,40 @@ def test_batch_stream_covers_every_example_once_per_pass_and_groups_by_length():
     assert sorted(i for b in batches for i in b) == list(range(8))
     spans = sorted((min(lengths[i] for i in b), max(lengths[i] for i in b)) for b in batches)
     assert spans == [(1, 2), (3, 4), (5, 7), (8, 9)]  # sorted runs: neighbours in length share a batch
+
+
+def test_lora_sft_trains_only_the_adapters_learns_and_saves_a_merged_model_equal_to_the_adapted_one(tmp_path):
+    save_tiny(tmp_path / "init", pad_is_eos=False)
+    items = tasks.sample_items("train", 6, seed=3)
+    write_jsonl(tmp_path / "train.jsonl", items)
+    cfg = SFTConfig(model=str(tmp_path / "init"), train_file=str(tmp_path / "train.jsonl"),
+                    validation_file=str(tmp_path / "train.jsonl"), output_dir=str(tmp_path / "run"), max_steps=60,
+                    batch_size=6, learning_rate=1e-2, warmup_steps=0, eval_every=0, log_every=1, progress=False,
+                    threads=2, lora_r=8, lora_alpha=16, gradient_checkpointing=True)
+    result = sft.train(cfg)
+    losses = [json.loads(line)["loss/sft"] for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()
+              if "loss/sft" in line]
+    # LoRA r 8 on a random 48-wide model learns slowly: a plain peft + AdamW loop on the same rows went 5.57 -> 4.64
+    # in 60 steps (full fine-tuning: -> 0.05); frozen adapters would stay at the first step's loss
+    assert losses[-1] < 0.9 * losses[0]
+    assert (result.run_dir / "adapter" / "adapter_config.json").exists()
+    start, merged = models.load_causal_lm(str(tmp_path / "init")), models.load_causal_lm(str(result.model_dir))
+    assert torch.equal(merged.model.embed_tokens.weight, start.model.embed_tokens.weight)  # not adapted: frozen
+    assert not torch.equal(merged.model.layers[0].mlp.up_proj.weight, start.model.layers[0].mlp.up_proj.weight)
+    from peft import PeftModel
+
+    adapted = PeftModel.from_pretrained(start, str(result.run_dir / "adapter")).eval()
+    ids = torch.tensor([[5, 9, 17, 33, 2]])
+    torch.testing.assert_close(merged(ids).logits, adapted(ids).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_lora_on_a_bf16_base_keeps_the_base_bf16_and_the_adapters_float32(tmp_path):
+    save_tiny(tmp_path / "init", pad_is_eos=False)
+    cfg = SFTConfig(model=str(tmp_path / "init"), dtype="bfloat16", lora_r=4, lora_target_modules="q_proj, v_proj")
+    from rlhflab.trainers.setup import load_or_build_policy
+
+    model, _ = load_or_build_policy(cfg)
+    trained = {n: p.dtype for n, p in model.named_parameters() if p.requires_grad}
+    assert trained and all("lora_" in n and d == torch.float32 for n, d in trained.items())
+    assert {n.split("layers.")[1].split(".")[2] for n in trained} == {"q_proj", "v_proj"}
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters() if not p.requires_grad)

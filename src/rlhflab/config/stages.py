@@ -21,7 +21,7 @@ COMPARE_METHODS = ("ppo", "grpo", "rloo", "reinforce", "dpo", "online-dpo")
 
 @dataclass(frozen=True)
 class SFTConfig(ParallelFields, CheckpointFields, RunFields, ModelFields, TinyModelFields, SuiteFields, DataFields,
-                OptimFields, PrecisionFields, GenerationFields):
+                OptimFields, PrecisionFields, LoraFields, GenerationFields):
     """`rlhflab sft`: supervised fine-tuning on prompt/completion demonstrations."""
 
     max_steps: int = arg(1000, "optimiser steps (the tiny model learns to copy unseen words only after ~600)")

@@ -43,7 +43,15 @@ from rlhflab.tracking import RunDir, RunResult
 from rlhflab.trainers.dpo_data import DPOData, PreferencePair, load_dpo_data
 from rlhflab.trainers.dpo_logps import SequenceLogps, can_pack, chunked_logps, precompute_logps, row_length, select
 from rlhflab.trainers.nonfinite import clip_and_step, guarded_step
-from rlhflab.trainers.setup import configure_threads, make_optimizer, make_scheduler, resolve_device, seed_everything
+from rlhflab.trainers.setup import (
+    add_lora,
+    configure_threads,
+    make_optimizer,
+    make_scheduler,
+    resolve_device,
+    save_policy_folder,
+    seed_everything,
+)
 from rlhflab.trainers.sft import batch_stream
 from rlhflab.trainers.single_state import checkpointer, pack_single, unpack_single
 from rlhflab.trainers.validation import validate_pass_rate
@@ -131,14 +139,6 @@ def build_policy(cfg: DPOConfig, device: torch.device | None = None):
         policy = float32_for_training(policy, f"policy {cfg.model}")
     models.disable_dropout(policy)
     return policy, tokenizer
-
-
-def add_lora(cfg: DPOConfig, policy):
-    targets = cfg.lora_target_modules
-    targets = targets if targets == "all-linear" else [n.strip() for n in targets.split(",") if n.strip()]
-    policy = models.apply_lora(policy, r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
-                               target_modules=targets)
-    return float32_for_training(policy, f"policy {cfg.model}")  # adapters float32, a half base stays half
 
 
 def reference_logps(cfg: DPOConfig, policy, dpo: DPOData, pad_id: int,
@@ -263,14 +263,6 @@ def planned_pairs(cfg: DPOConfig, num_train: int) -> tuple[int, int]:
     return steps, int(min(budget, steps * cfg.batch_size))
 
 
-def save_policy(policy, tokenizer, run_path, lora: bool):
-    """model/ as an ordinary HF folder (LoRA merged, so plain transformers loads it); adapter/ with LoRA."""
-    if lora:
-        policy.save_pretrained(str(run_path / "adapter"))
-        policy = policy.merge_and_unload()
-    return models.save_model_folder(run_path / "model", policy, tokenizer)
-
-
 def train(cfg: DPOConfig, run: RunDir | None = None) -> RunResult:
     """Run DPO / IPO / SimPO as configured; returns the run folder and the HF policy folder it wrote."""
     started = time.time()
@@ -291,7 +283,7 @@ def train(cfg: DPOConfig, run: RunDir | None = None) -> RunResult:
     with precision.autocast():
         references = reference_logps(cfg, policy, dpo, pad_id, world)
     if cfg.lora_r > 0:
-        policy = add_lora(cfg, policy)
+        policy = add_lora(policy, cfg, f"policy {cfg.model}")
     policy.train()
     if cfg.gradient_checkpointing:  # after the reference log-probs (no grad), before wrapping
         models.enable_gradient_checkpointing(policy, "DPO policy")
@@ -363,7 +355,7 @@ def train(cfg: DPOConfig, run: RunDir | None = None) -> RunResult:
         saver.finish(progress["step"], pack)
     # 6. the policy as an ordinary HF folder (rank 0)
     with wrapped.gathered() as whole:
-        model_dir = world.from_main(lambda: save_policy(whole, tokenizer, run.path, cfg.lora_r > 0))
+        model_dir = world.from_main(lambda: save_policy_folder(whole, tokenizer, run.path, cfg.lora_r > 0))
     walls["save"] += time.time() - t3
     summary = run.update_summary(**summary_fields(cfg, dpo, progress, walls, started, pairs_before),
                                  model_dir=str(model_dir), parallel={**wrapped.layout.describe(), **world.describe()},

@@ -80,12 +80,14 @@ def seed_everything(seed: int, deterministic: bool = False) -> None:
 
 
 def load_or_build_policy(cfg) -> tuple[torch.nn.Module, object]:
-    """Load `cfg.model` with from_pretrained, or build the tiny default when it is empty. Its whole
-    weights train: loaded in bf16 / fp16 (asked for, or `dtype=auto` on a half checkpoint), it is cast
-    to float32 (models/precision.py)."""
+    """Load `cfg.model` with from_pretrained, or build the tiny default when it is empty; with `cfg.lora_r`,
+    LoRA adapters on it (`add_lora`). Whatever trains is float32: whole weights loaded in bf16 / fp16 (asked
+    for, or `dtype=auto` on a half checkpoint) are cast; a LoRA base stays in its dtype (models/precision.py)."""
     if cfg.model:
         tokenizer = models.load_tokenizer(cfg.tokenizer or cfg.model, trust_remote_code=cfg.trust_remote_code)
         model = models.load_causal_lm(cfg.model, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code)
+        if cfg.lora_r > 0:
+            return add_lora(model, cfg, f"SFT model {cfg.model}"), tokenizer
         return float32_for_training(model, f"SFT model {cfg.model}"), tokenizer
     tokenizer = models.build_tokenizer(tokenizer_corpus(cfg), vocab_size=cfg.vocab_size)
     model = models.build_tiny_model(
@@ -98,7 +100,26 @@ def load_or_build_policy(cfg) -> tuple[torch.nn.Module, object]:
         seed=cfg.seed,
     )
     log.info("built tiny %s model: %s parameters", cfg.arch, f"{models.count_parameters(model):,}")
-    return model, tokenizer
+    return (add_lora(model, cfg, "tiny SFT model") if cfg.lora_r > 0 else model), tokenizer
+
+
+def add_lora(model: torch.nn.Module, cfg, what: str) -> torch.nn.Module:
+    """`cfg`'s LoRA fields (lora_r, lora_alpha, lora_dropout, lora_target_modules) applied to `model` with
+    peft; the adapters are float32, a half-precision base stays half (`what` names the model in the log)."""
+    targets = cfg.lora_target_modules
+    targets = targets if targets == "all-linear" else [n.strip() for n in targets.split(",") if n.strip()]
+    model = models.apply_lora(model, r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
+                              target_modules=targets)
+    return float32_for_training(model, what)
+
+
+def save_policy_folder(policy: torch.nn.Module, tokenizer, run_path, lora: bool):
+    """RUN/model as an ordinary HF folder (LoRA merged, so plain transformers loads it) and, with LoRA, the
+    adapter alone in RUN/adapter (peft's format); returns the model folder."""
+    if lora:
+        policy.save_pretrained(str(run_path / "adapter"))
+        policy = policy.merge_and_unload()
+    return models.save_model_folder(run_path / "model", policy, tokenizer)
 
 
 def make_optimizer(params, cfg, fused: bool = False) -> torch.optim.Optimizer:

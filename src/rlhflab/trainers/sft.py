@@ -41,6 +41,7 @@ from rlhflab.trainers.setup import (
     load_or_build_policy,
     make_optimizer,
     make_scheduler,
+    save_policy_folder,
     seed_everything,
 )
 
@@ -297,9 +298,8 @@ def train(cfg: SFTConfig, run: RunDir | None = None) -> RunResult:
         saver.finish(done, pack)
 
     # 7. the model, as an ordinary HF folder (rank 0)
-    model_dir = run.path / "model"
     with wrapped.gathered() as whole:
-        world.from_main(lambda: models.save_model_folder(model_dir, whole, tokenizer))
+        model_dir = world.from_main(lambda: save_policy_folder(whole, tokenizer, run.path, cfg.lora_r > 0))
     summary = run.update_summary(
         stage="sft",
         final_loss=stats["loss/sft"],

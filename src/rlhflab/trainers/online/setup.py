@@ -17,7 +17,7 @@ from rlhflab.data.prompt_rows import PromptRow
 from rlhflab.sources import PromptSplits
 from rlhflab.models.precision import MixedPrecision, float32_for_training, precision_from_config
 from rlhflab.trainers.headroom import check_probe_fields
-from rlhflab.trainers.setup import resolve_device
+from rlhflab.trainers.setup import add_lora, resolve_device
 
 log = logging.getLogger("rlhflab")
 
@@ -83,11 +83,6 @@ def check_sampler_correction(cfg: OnlineFields) -> None:
                              "e.g. 0 and 3 (TRL's)")
 
 
-def _lora_targets(cfg: OnlineFields):
-    names = cfg.lora_target_modules
-    return names if names == "all-linear" else [n.strip() for n in names.split(",") if n.strip()]
-
-
 def build_roles(cfg: OnlineFields, critic: bool = True,
                 precision: MixedPrecision | None = None) -> tuple[PolicyRoles, object]:
     """Policy (+ LoRA), reference (copy, reload or adapter-off) and, with a critic, value (shared, separate,
@@ -105,9 +100,9 @@ def build_roles(cfg: OnlineFields, critic: bool = True,
     policy = load(cfg.model)
     lora = cfg.lora_r > 0
     if lora:
-        policy = models.apply_lora(policy, r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
-                                   target_modules=_lora_targets(cfg))
-    policy = float32_for_training(policy, f"policy {cfg.model}")
+        policy = add_lora(policy, cfg, f"policy {cfg.model}")
+    else:
+        policy = float32_for_training(policy, f"policy {cfg.model}")
     reference, load_reference = None, None
     if not lora:
         reference_path, dtype = cfg.reference or cfg.model, policy.dtype
