@@ -1,8 +1,8 @@
 """benchmarks/gpu_check.sh / gpu_check.py cannot rot unseen: the shell script's dry mode runs here end to end in an
 interpreter that has what the GPU machine's python3 has and not datasets, vllm, deepspeed, trl or rlhflab itself
 (the import path from src/, the CUDA test files collected, the CPU smoke benchmark: the same code as the GPU run,
-tiny shapes, float32, each case in its own process, results written to --out), and the FLOP count is checked by
-hand."""
+tiny shapes, every stage's rows in a child process of their own, results written to --out), and the FLOP count,
+the figures read from metrics.jsonl, the planned rows and the time budget are checked by hand."""
 
 import importlib.util
 import json
@@ -19,10 +19,13 @@ SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
 ABSENT = ("datasets", "vllm", "deepspeed", "trl", "trackio", "playwright", "rlhflab", "__editable__")
 
 
-def load_script():
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+def load_script(name: str = "gpu_check_cases"):
+    """benchmarks/NAME.py as a module (gpu_check.py imports gpu_check_cases from beside it)."""
+    if str(SCRIPT.parent) not in sys.path:
+        sys.path.insert(0, str(SCRIPT.parent))
+    spec = importlib.util.spec_from_file_location(name, SCRIPT.parent / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_check"] = module  # its dataclasses look their module up there
+    sys.modules[name] = module  # its dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
@@ -85,12 +88,65 @@ def test_the_dry_run_works_without_datasets_or_an_installed_rlhflab_and_writes_i
     tests = (out / "tests.txt").read_text()
     assert "needs a CUDA GPU" in tests and " skipped" in tests and "error" not in tests.lower()
     results = json.loads((out / "results.json").read_text())
-    assert [(c["method"], c["backend"]) for c in results["cases"]] == [("ppo", "lean"), ("grpo", "lean")]
+    variants = [("lora", "bf16", True), ("full", "bf16", True), ("full", "fp32", True), ("full", "bf16", False)]
+    planned = [(m, *v, b) for m, b in (("sft", ""), ("dpo", ""), ("grpo", "lean"), ("ppo", "lean")) for v in variants]
+    assert [(c["method"], c["tuning"], c["precision"], c["checkpointing"], c["backend"]) for c in results["cases"]] \
+        == planned  # no fp16 on a CPU
+    assert all("error" not in c for c in results["cases"]), [c.get("error") for c in results["cases"]]
     table = (out / "table.md").read_text()
-    rows = [line for line in table.splitlines() if re.match(r"\| (ppo|grpo) \| lean \|", line)]
-    assert len(rows) == 2 and "vllm left out: no CUDA GPU" in table, table
+    rows = [line for line in table.splitlines() if re.match(r"\| (sft|dpo|grpo|ppo) \|", line)]
+    assert len(rows) == 16 and "vllm left out: no CUDA GPU" in table and "sft fp16: autocast in fp16 needs" in table
     for row in rows:
         cells = [c.strip() for c in row.strip("|").split("|")]
-        episodes, tokens, mfu = float(cells[2]), float(cells[3]), float(cells[5].rstrip("%"))
-        assert episodes > 0 and tokens > 0 and 0 < mfu < 100
+        steps, episodes, tokens, mfu = int(cells[5]), float(cells[6]), float(cells[7]), float(cells[9].rstrip("%"))
+        assert steps >= 1 and episodes > 0 and tokens > 0 and 0 < mfu < 100 and float(cells[10]) > 0
     assert table.splitlines()[-1].startswith("wall ") and "gpu_check.sh: tests exit 0, benchmark exit 0" in log
+    assert (out / "child-sft.log").is_file()
+
+
+def test_planned_rows_fp16_only_on_cuda_for_sft_and_grpo_and_other_backends_get_the_headline_row():
+    check = load_script()
+    rows, left_out = check.planned_rows(["sft", "dpo", "grpo", "ppo"], ["lean", "vllm"], "cuda")
+    keys = [r.key for r in rows]
+    assert "sft-full-fp16-gc-" in keys and "grpo-full-fp16-gc-lean" in keys and not left_out
+    assert not any(k.startswith(("dpo", "ppo")) and "fp16" in k for k in keys)
+    assert [k for k in keys if k.endswith("vllm")] == ["grpo-lora-bf16-gc-vllm", "ppo-lora-bf16-gc-vllm"]
+    assert len(keys) == 4 * 4 + 2 + 2 and all(check.Row.from_key(k).key == k for k in keys)
+    _, left_out = check.planned_rows(["sft"], ["lean"], "cpu")
+    assert left_out == ["sft fp16: autocast in fp16 needs a CUDA device"]
+
+
+def test_figures_from_metrics_hand_worked():
+    check = load_script()
+    shape, setting = check.SMOKE_SHAPE, check.SMOKE  # SFT steps of 8 sequences of 8 + 6 tokens
+    sft = check.Row("sft", "full", "fp32", True, "")
+    metrics = [{"loss/sft": 1.0, "elapsed_s": 1.0}, {"loss/sft": 0.9, "elapsed_s": 3.0}, {"val/loss": 0.8},
+               {"loss/sft": 0.8, "elapsed_s": 5.0}]
+    figures = check.offline_figures(metrics, setting, shape, sft)  # steps 2 and 3: 4 s
+    flops = check.training_flops(shape, 8, 8, 6, 1, lora=False)
+    assert figures == {"steps_measured": 2, "episodes_per_s": 16 / 4, "tokens_per_s": 8 * 14 * 2 / 4,
+                       "train_flops_per_s": flops * 2 / 4}
+    dpo = check.offline_figures([{"loss": 1.0, "elapsed_s": 0.0}, {"loss": 1.0, "elapsed_s": 2.0}], setting, shape,
+                                check.Row("dpo", "lora", "bf16", True, ""))  # 4 pairs = 8 sequences in 2 s
+    assert dpo["episodes_per_s"] == 2 and dpo["train_flops_per_s"] == check.training_flops(shape, 8, 8, 6, 1, True) / 2
+
+    class Cfg:
+        batch_size, num_iterations = 8, 1
+
+    updates = [{"time/training": 9.0, "eps": 1.0, "response/length_mean": 1, "time/generation": 9.0},
+               {"time/training": 1.0, "eps": 4.0, "response/length_mean": 6, "time/generation": 0.5},
+               {"time/training": 3.0, "eps": 2.0, "response/length_mean": 5, "time/generation": 1.5}]
+    online = check.online_figures(updates, Cfg, setting, shape, check.Row("grpo", "full", "bf16", False, "lean"))
+    assert online["steps_measured"] == 2 and online["episodes_per_s"] == 16 / (2 + 4)  # 8/4 s + 8/2 s
+    assert online["tokens_per_s"] == (6 + 5) * 8 / 2.0 and online["response_length_mean"] == 5.5
+    assert online["train_flops_per_s"] == check.training_flops(shape, 8, 8, 6, 1, False) * 2 / 4.0
+
+
+def test_rows_past_the_deadline_are_written_as_not_run_without_training(tmp_path):
+    check = load_script()
+    results = tmp_path / "rows.jsonl"
+    check.run_rows(["sft-full-fp32-gc-", "grpo-lora-bf16-gc-lean"], tmp_path, check.SMOKE, check.SMOKE_SHAPE,
+                   results, deadline=0.0)
+    lines = [json.loads(line) for line in results.read_text().splitlines()]
+    assert [(x["method"], x["error"].split(":")[0]) for x in lines] == [("sft", "not run"), ("grpo", "not run")]
+    assert lines[0]["matmul_peak_flops"]["bf16"] > 0 and not (tmp_path / "runs").exists()

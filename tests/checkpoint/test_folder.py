@@ -208,6 +208,29 @@ def test_finishing_at_the_step_resumed_from_does_not_rewrite_its_checkpoint(tmp_
     assert ((path / MARKER).stat().st_mtime_ns, (path / "model.safetensors").stat().st_ino) == before
 
 
+def test_save_every_minus_one_writes_no_checkpoint_but_a_stop_signal_still_saves(tmp_path):
+    import signal
+
+    from rlhflab.checkpoint import Checkpointer, Interrupted
+
+    packed = []
+
+    def contents():
+        packed.append(1)
+        return weights(), {}
+
+    with Checkpointer(tmp_path, save_every=-1, keep_last_n=1) as saver:
+        for step in (1, 2, 3):
+            saver.step_done(step, contents)
+        saver.finish(3, contents)
+    assert not packed and not (tmp_path / "checkpoints").exists()
+    with Checkpointer(tmp_path, save_every=-1, keep_last_n=1) as saver:
+        saver.signals.requested = signal.SIGTERM
+        with pytest.raises(Interrupted):
+            saver.step_done(4, contents)
+    assert packed == [1] and (tmp_path / "checkpoints" / "step-4" / MARKER).is_file()
+
+
 def _adamw(n_params: int, lr: float, **kw):
     params = [torch.nn.Parameter(torch.ones(2)) for _ in range(n_params)]
     opt = torch.optim.AdamW(params, lr=lr, **kw)

@@ -202,7 +202,8 @@ ShardWriter = Callable[[Path], None]  # every rank writes its shards into the fo
 
 
 class Checkpointer:
-    """The loop's side of checkpoints: every `save_every` steps, at the end, and when a stop signal came.
+    """The loop's side of checkpoints: every `save_every` steps, at the end, and when a stop signal came;
+    `save_every` < 0: only when a stop signal came (the run's model folder is still written at its end).
 
     Use as a context manager around the loop (it installs the SIGINT / SIGTERM handlers).
     `contents()` packs (weights, state) only when a checkpoint is actually written, on rank 0 only.
@@ -241,8 +242,8 @@ class Checkpointer:
             raise Interrupted(signum, step, self.root / f"step-{step}")
 
     def finish(self, step: int, contents: Contents) -> None:
-        """The end-of-run checkpoint, unless this step was just saved."""
-        if self.saved_step != step:
+        """The end-of-run checkpoint, unless this step was just saved or `save_every` is negative (none)."""
+        if self.save_every >= 0 and self.saved_step != step:
             self.save(step, contents)
 
     def save(self, step: int, contents: Contents) -> Path:

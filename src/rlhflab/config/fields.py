@@ -177,7 +177,7 @@ class CheckpointFields:
     """Checkpoints, resume and non-finite guards (rlhflab.checkpoint; README "Checkpoints and resume")."""
 
     save_every: int = arg(0, "write RUN/checkpoints/step-N every N optimiser steps (PPO: updates) and at the end; "
-                             "0 = only at the end")
+                             "0 = only at the end; -1 = none (only on SIGINT / SIGTERM; model/ is still written)")
     keep_last_n: int = arg(2, "complete checkpoints to keep; older ones are deleted once a newer one is complete; "
                               "0 = keep all")
     resume: str = arg("", "continue a run: 'latest' (newest complete checkpoint in --output_dir) or a "

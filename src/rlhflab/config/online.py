@@ -63,7 +63,8 @@ class OnlineFields(ParallelFields, MonitorFields, CheckpointFields, RunFields, M
     eval_every: int = arg(10, "validation pass rate every N updates; 0 = start and end only")
     eval_prompts: int = arg(100, "validation prompts used for the pass rate")
     sample_prompts: int = arg(8, "fixed validation prompts whose answers go to samples.jsonl at each evaluation")
-    save_every: int = arg(20, "write RUN/checkpoints/step-N every N updates and at the end; 0 = only at the end")
+    save_every: int = arg(20, "write RUN/checkpoints/step-N every N updates and at the end; 0 = only at the end; -1 = "
+                                "none (only on SIGINT / SIGTERM)")
     console_samples: int = arg(4, "answers to the first N fixed validation prompts logged as a table (prompt, "
                                   "answer, pass/fail) at each evaluation; 0 = off")
     headroom_samples: int = arg(

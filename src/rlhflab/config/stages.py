@@ -35,7 +35,8 @@ class SFTConfig(ParallelFields, CheckpointFields, RunFields, ModelFields, TinyMo
     eval_every: int = arg(250, "validation loss and pass rate every N steps; 0 = only at the end")
     eval_prompts: int = arg(100, "validation prompts used for the periodic pass rate")
     group_by_length: int = arg(0, "sort runs of this many batches by length before cutting them (less padding); 0 = off")
-    save_every: int = arg(250, "write RUN/checkpoints/step-N every N steps and at the end; 0 = only at the end")
+    save_every: int = arg(250, "write RUN/checkpoints/step-N every N steps and at the end; 0 = only at the end; "
+                               "-1 = none (only on SIGINT / SIGTERM)")
 
 
 @dataclass(frozen=True)
@@ -246,7 +247,8 @@ class DPOConfig(ParallelFields, CheckpointFields, RunFields, ModelFields, SuiteF
     learning_rate: float = arg(5e-5, "peak AdamW learning rate")
     warmup_steps: int = arg(5, "linear warmup steps")
     lr_schedule: Literal["cosine", "linear", "constant"] = arg("linear", "decay after warmup")
-    save_every: int = arg(50, "write RUN/checkpoints/step-N every N steps and at the end; 0 = only at the end")
+    save_every: int = arg(50, "write RUN/checkpoints/step-N every N steps and at the end; 0 = only at the end; "
+                               "-1 = none (only on SIGINT / SIGTERM)")
 
 
 @dataclass(frozen=True)
