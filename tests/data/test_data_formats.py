@@ -198,20 +198,22 @@ def test_prompts_standard_formats_carry_every_other_column(tok):
 
 def test_prompts_conversational_formats_carry_every_other_column(render):
     name, tokenizer = render
-    expected = lambda prompt, columns: PromptExample(prompt, None, None, columns, "rows.jsonl:1")  # noqa: E731
+    # the prompt's messages are kept too: reward functions get them, as in TRL
+    expected = lambda prompt, columns, messages: PromptExample(  # noqa: E731
+        prompt, None, None, columns, "rows.jsonl:1", messages)
     assert one({"prompt": [SYS, USER], "answer": "hi"}, "prompts", tokenizer) == expected(
-        SYS_PROMPT_TEXT[name], {"answer": "hi"})
+        SYS_PROMPT_TEXT[name], {"answer": "hi"}, [SYS, USER])
     assert one({"prompt": [USER], "completion": [GOOD]}, "prompts", tokenizer) == expected(
-        PROMPT_TEXT[name], {"completion": [GOOD]})
+        PROMPT_TEXT[name], {"completion": [GOOD]}, [USER])
     assert one({"prompt": [USER], "chosen": [GOOD], "rejected": [BAD]}, "prompts", tokenizer) == expected(
-        PROMPT_TEXT[name], {"chosen": [GOOD], "rejected": [BAD]})
+        PROMPT_TEXT[name], {"chosen": [GOOD], "rejected": [BAD]}, [USER])
     implicit = {"chosen": [SYS, USER, GOOD], "rejected": [SYS, USER, BAD], "answer": 3}
-    assert one(implicit, "prompts", tokenizer) == expected(SYS_PROMPT_TEXT[name], implicit)
+    assert one(implicit, "prompts", tokenizer) == expected(SYS_PROMPT_TEXT[name], implicit, [SYS, USER])
     # the same row gives the same prompt text to the reward model (pairs) and the policy (prompts)
     assert one(implicit, "pairs", tokenizer).prompt == SYS_PROMPT_TEXT[name]
     superseded = {"prompt": "say hi", "chosen": [USER, GOOD], "rejected": [USER, BAD]}
     assert one(superseded, "prompts", tokenizer) == expected(
-        PROMPT_TEXT[name], {"chosen": [USER, GOOD], "rejected": [USER, BAD]})
+        PROMPT_TEXT[name], {"chosen": [USER, GOOD], "rejected": [USER, BAD]}, [USER])
 
 
 def test_prompts_problems():

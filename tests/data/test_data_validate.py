@@ -171,8 +171,8 @@ def test_messages_column_problems_and_prompts_kind():
     assert [str(p) for p in problems] == ["p:1: 'messages' holds only an assistant message, no prompt"]
     assert examples == [
         PromptExample("say hi", "greet", "hi", {"reference": "hi", "family": "greet"}, "p:1"),
-        PromptExample("user: say hi\nassistant: ", None, "hi", {}, "p:1"),
-        PromptExample("user: say hi\nassistant: ", None, None, {}, "p:1")]
+        PromptExample("user: say hi\nassistant: ", None, "hi", {}, "p:1", USER_HI),
+        PromptExample("user: say hi\nassistant: ", None, None, {}, "p:1", USER_HI)]
 
 
 def test_prompt_too_long_is_reported(write_jsonl, make_tok):

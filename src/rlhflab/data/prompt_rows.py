@@ -18,6 +18,9 @@ class PromptRow:
     prompt: str  # rendered prompt text (chat template applied for conversations)
     columns: Mapping[str, Any] = field(default_factory=dict)  # every other column of the row, e.g. "answer"
     where: str = ""  # "file.jsonl:17" or "built-in suite, validation #3": for error messages
+    # the prompt as messages when the row is conversational: reward and verifier functions then get these and
+    # completions as [{"role": "assistant", "content": ...}], as TRL hands them (rewards/functions.py)
+    messages: tuple[dict[str, Any], ...] | None = None
 
     @property
     def family(self) -> str:

@@ -75,6 +75,8 @@ class PromptExample:
     # (e.g. "answer", "family", "completion", "chosen"): what reward and verifier functions receive
     columns: dict[str, Any] = field(default_factory=dict)
     where: str = ""  # "file.jsonl:17" / "file.parquet row 16", for messages about this prompt
+    # the prompt as messages when the row is conversational (TRL hands reward functions these, not the text)
+    messages: list[dict[str, Any]] | None = None
 
 
 Example = Union[SFTExample, PairExample, PromptExample]

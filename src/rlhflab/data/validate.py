@@ -156,28 +156,35 @@ def _prompt_from_prompt(row: dict[str, Any], tokenizer) -> PromptExample:
     if _prompt_is_superseded(row):
         return _prompt_implicit(row, tokenizer)
     prompt, _ = _prompt_and_answers(row, (), tokenizer)
-    return _prompt_example(prompt, row)
+    return _prompt_example(prompt, row, messages=row["prompt"] if isinstance(row["prompt"], list) else None)
 
 
 def _prompt_from_messages(row: dict[str, Any], tokenizer) -> PromptExample:
     messages = row["messages"]
     check_messages("messages", messages)
     if messages[-1]["role"] != "assistant":
-        return _prompt_example(render_prompt(messages, tokenizer), row)
+        return _prompt_example(render_prompt(messages, tokenizer), row, messages=messages)
     if len(messages) == 1:
         raise BadRow("empty field", "'messages' holds only an assistant message, no prompt")
-    return _prompt_example(render_prompt(messages[:-1], tokenizer), row, reference=messages[-1]["content"])
+    return _prompt_example(render_prompt(messages[:-1], tokenizer), row, reference=messages[-1]["content"],
+                           messages=messages[:-1])
 
 
 def _prompt_implicit(row: dict[str, Any], tokenizer) -> PromptExample:
     prompt, _, _ = _split_implicit(row, tokenizer, allow_empty_prompt=False)
-    return _prompt_example(prompt, row)
+    chosen, rejected = row["chosen"], row["rejected"]
+    conversational = isinstance(chosen, list) and isinstance(rejected, list)
+    messages = chosen[: implicit_prompt_length(chosen, rejected)] if conversational else None
+    return _prompt_example(prompt, row, messages=messages)
 
 
-def _prompt_example(prompt: str, row: dict[str, Any], reference: str | None = None) -> PromptExample:
+def _prompt_example(prompt: str, row: dict[str, Any], reference: str | None = None,
+                    messages: list[dict[str, Any]] | None = None) -> PromptExample:
+    """`messages`: the prompt's messages when the row is conversational."""
     family, column_reference = optional_str(row, "family"), optional_str(row, "reference")
     columns = {k: v for k, v in row.items() if k not in PROMPT_SOURCES}
-    return PromptExample(prompt, family, column_reference if column_reference is not None else reference, columns)
+    return PromptExample(prompt, family, column_reference if column_reference is not None else reference, columns,
+                         messages=messages)
 
 
 # kind -> (columns that select a reader, reader); the first whose columns the row has all of

@@ -8,7 +8,7 @@ A user's own functions (TRL's `reward_funcs` signature) become sources with
 `FunctionReward(load_function("my_rewards.py:exact"))` and verifiers with `FunctionVerifier`.
 """
 
-from rlhflab.rewards.base import Check, RewardSource, Scored, Verifier, as_scored
+from rlhflab.rewards.base import Check, RewardSource, ScoreContext, Scored, Verifier, as_scored, score
 from rlhflab.rewards.checker import CheckerReward, CheckerVerifier, task_item
 from rlhflab.rewards.combine import CombinedReward
 from rlhflab.rewards.functions import FunctionReward, FunctionVerifier, load_function
@@ -33,10 +33,12 @@ __all__ = [
     "ModelReward",
     "ReloadedModelReward",
     "RewardSource",
+    "ScoreContext",
     "Scored",
     "Verifier",
     "as_scored",
     "load_function",
     "random_model_reward",
+    "score",
     "task_item",
 ]

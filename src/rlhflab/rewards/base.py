@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -33,10 +34,28 @@ class Scored:
             raise ValueError(f"scores {tuple(self.scores.shape)} and valid {tuple(self.valid.shape)} must be (B,)")
 
 
-class RewardSource(Protocol):
-    """prompts, responses (text up to EOS, EOS excluded) and the prompt rows they answer -> Scored."""
+@dataclass(frozen=True)
+class ScoreContext:
+    """What an online trainer knows about the responses beside their text, for the reward functions that ask
+    (TRL's extra keyword arguments): each response's token ids (`completion_ids`: its EOS in, padding out) and
+    the updates done so far. It is handed to a function as TRL's `trainer_state` too: `trainer_state.global_step`
+    reads the same number."""
 
-    def __call__(self, prompts: list[str], responses: list[str], rows: Sequence[PromptRow]) -> Scored: ...
+    completion_ids: list[list[int]] | None = None
+    global_step: int = 0
+
+    def rows(self, start: int, stop: int) -> ScoreContext:
+        """The context of responses start..stop (one row's, when a failing row is looked for)."""
+        ids = None if self.completion_ids is None else self.completion_ids[start:stop]
+        return ScoreContext(ids, self.global_step)
+
+
+class RewardSource(Protocol):
+    """prompts, responses (text up to EOS, EOS excluded) and the prompt rows they answer -> Scored; `context`:
+    what else the trainer knows (sources that need none ignore it)."""
+
+    def __call__(self, prompts: list[str], responses: list[str], rows: Sequence[PromptRow],
+                 context: ScoreContext | None = None) -> Scored: ...
 
 
 class Verifier(Protocol):
@@ -48,6 +67,23 @@ class Verifier(Protocol):
 
     def __call__(self, prompts: list[str], completions: list[str], rows: Sequence[PromptRow],
                  ended_with_eos: Sequence[bool] | None = None) -> list[Check]: ...
+
+
+def score(source, prompts: list[str], responses: list[str], rows: Sequence[PromptRow],
+          context: ScoreContext | None = None):
+    """`source(prompts, responses, rows, context=context)`, or without the context for a callable that takes
+    none (a plain function handed to a trainer's `train(cfg, reward_fn=...)`)."""
+    if context is not None and _takes_context(source):
+        return source(prompts, responses, rows, context=context)
+    return source(prompts, responses, rows)
+
+
+def _takes_context(source) -> bool:
+    try:
+        params = inspect.signature(source).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == "context" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
 def check_lengths(prompts: Sequence, responses: Sequence, rows: Sequence) -> int:

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import torch
 
 from rlhflab.data.prompt_rows import PromptRow
-from rlhflab.rewards.base import Check, Scored, check_lengths, scored
+from rlhflab.rewards.base import Check, ScoreContext, Scored, check_lengths, scored
 from rlhflab.tasks import FAMILIES, TaskItem, check
 
 
@@ -36,7 +36,8 @@ class CheckerReward:
         self.pass_score = pass_score
         self.fail_score = fail_score
 
-    def __call__(self, prompts: list[str], responses: list[str], rows: Sequence[PromptRow | TaskItem | None]) -> Scored:
+    def __call__(self, prompts: list[str], responses: list[str], rows: Sequence[PromptRow | TaskItem | None],
+                 context: ScoreContext | None = None) -> Scored:
         n = check_lengths(prompts, responses, rows)
         scores = torch.zeros(n)
         valid = torch.zeros(n, dtype=torch.bool)

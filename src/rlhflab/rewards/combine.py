@@ -8,7 +8,7 @@ import torch
 
 from rlhflab.errors import UserInputError
 from rlhflab.data.prompt_rows import PromptRow
-from rlhflab.rewards.base import RewardSource, Scored, check_lengths, scored
+from rlhflab.rewards.base import RewardSource, ScoreContext, Scored, check_lengths, score, scored
 
 
 class CombinedReward:
@@ -20,12 +20,13 @@ class CombinedReward:
                                  where="reward sources", fix="e.g. [(CheckerReward(), 1.0), (ModelReward(...), 0.5)]")
         self.sources = list(sources)
 
-    def __call__(self, prompts: list[str], responses: list[str], rows: Sequence[PromptRow]) -> Scored:
+    def __call__(self, prompts: list[str], responses: list[str], rows: Sequence[PromptRow],
+                 context: ScoreContext | None = None) -> Scored:
         n = check_lengths(prompts, responses, rows)
         total = torch.zeros(n)
         valid = torch.ones(n, dtype=torch.bool)
         for source, weight in self.sources:
-            part = source(prompts, responses, rows)
+            part = score(source, prompts, responses, rows, context)
             total = total + weight * part.scores
             valid = valid & part.valid
         return scored(total, valid)

@@ -6,12 +6,16 @@
 
     rlhflab ppo --train_file math.jsonl --reward_fn my_rewards.py:exact --verifier my_rewards.py:exact_bool
 
-`prompts` and `completions` are lists of strings (the completion is the text up to EOS);
-every other column of the prompt rows arrives as a keyword argument holding one value per
-row (a function without `**kwargs` gets only the columns it names). A reward returns one
-float per row, or None where it cannot score that row: that row is left out of the update
-and counted. A verifier returns one bool per row. An exception inside the function is
-reported with the function's name, the row, where the row came from and its prompt.
+As TRL hands them: on standard (string) prompts, `prompts` and `completions` are lists of
+strings (the completion is the text up to EOS); on conversational prompts (message lists),
+`prompts` are the message lists and each completion is `[{"role": "assistant", "content": text}]`,
+so `completion[0]["content"]` reads it. Every other column of the prompt rows arrives as a
+keyword argument holding one value per row; during training also `completion_ids` (each
+response's token ids, its EOS included, as TRL's) and `trainer_state` (`.global_step`: updates done). A
+function without `**kwargs` gets only the arguments it names. A reward returns one float per
+row, or None where it cannot score that row: that row is left out of the update and counted.
+A verifier returns one bool per row. An exception inside the function is reported with the
+function's name, the row, where the row came from and its prompt.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import torch
 
 from rlhflab.data.prompt_rows import PromptRow, column_lists
 from rlhflab.errors import UserInputError
-from rlhflab.rewards.base import Check, Scored, check_lengths, scored
+from rlhflab.rewards.base import Check, ScoreContext, Scored, check_lengths, scored
 
 UserFunction = Callable[..., Sequence]
 
@@ -87,11 +91,12 @@ class UserFunctionCall:
         self.takes_all = not params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
         self.named = {p.name for p in params}
 
-    def __call__(self, prompts: list[str], completions: list[str], rows: Sequence[PromptRow]) -> list:
+    def __call__(self, prompts: list[str], completions: list[str], rows: Sequence[PromptRow],
+                 context: ScoreContext | None = None) -> list:
         try:
-            out = self._call(prompts, completions, rows)
+            out = self._call(prompts, completions, rows, context)
         except Exception as err:  # a user function's own error: find the row it fails on
-            raise self._located(err, prompts, completions, rows) from err
+            raise self._located(err, prompts, completions, rows, context) from err
         if isinstance(out, torch.Tensor):
             out = out.tolist()
         if not isinstance(out, (list, tuple)) or len(out) != len(prompts):
@@ -100,18 +105,23 @@ class UserFunctionCall:
                                  self.name, "return a list with one value per completion, in the order given")
         return list(out)
 
-    def _call(self, prompts, completions, rows):
-        columns = column_lists(rows)
+    def _call(self, prompts, completions, rows, context: ScoreContext | None):
+        arguments = column_lists(rows)
+        for name in ("prompts", "completions", "completion", *TRAINER_ARGUMENTS):  # TRL leaves a dataset's own
+            arguments.pop(name, None)  # completion out too: `completions` are the policy's
+        arguments.update(trainer_arguments(context))
         if not self.takes_all:
-            columns = {k: v for k, v in columns.items() if k in self.named}
-        for name in ("prompts", "completions", "completion", "completion_ids"):  # TRL leaves a dataset's
-            columns.pop(name, None)  # own completion out too: `completions` are the policy's
-        return self.fn(prompts=list(prompts), completions=list(completions), **columns)
+            arguments = {k: v for k, v in arguments.items() if k in self.named}
+        if rows and all(row.messages is not None for row in rows):  # conversational data: TRL's messages
+            prompts = [list(row.messages) for row in rows]
+            completions = [[{"role": "assistant", "content": text}] for text in completions]
+        return self.fn(prompts=list(prompts), completions=list(completions), **arguments)
 
-    def _located(self, err: Exception, prompts, completions, rows) -> UserInputError:
+    def _located(self, err: Exception, prompts, completions, rows, context) -> UserInputError:
         for i in range(len(prompts)):
             try:
-                self._call(prompts[i:i + 1], completions[i:i + 1], rows[i:i + 1])
+                self._call(prompts[i:i + 1], completions[i:i + 1], rows[i:i + 1],
+                           None if context is None else context.rows(i, i + 1))
             except Exception as row_err:  # noqa: BLE001 - reported below
                 where = f" ({rows[i].where})" if rows[i].where else ""
                 return UserInputError(
@@ -120,6 +130,19 @@ class UserFunctionCall:
                     "fix the function (it must accept every row of the data), or fix that row")
         return UserInputError(f"{self.what} {self.name} raised {type(err).__name__}: {err} on the batch of "
                               f"{len(prompts)} rows (no single row fails alone)", self.name)
+
+
+TRAINER_ARGUMENTS = ("completion_ids", "trainer_state")  # a dataset column of either name is not passed on
+
+
+def trainer_arguments(context: ScoreContext | None) -> dict:
+    """TRL's extra keyword arguments from what the trainer knows: `completion_ids` and `trainer_state`."""
+    if context is None:
+        return {}
+    extra = {"trainer_state": context}
+    if context.completion_ids is not None:
+        extra["completion_ids"] = [list(ids) for ids in context.completion_ids]
+    return extra
 
 
 def _inspectable(fn) -> bool:
@@ -141,9 +164,10 @@ class FunctionReward:
         self.call = UserFunctionCall(fn, "reward function", name)
         self.name = self.call.name
 
-    def __call__(self, prompts: list[str], responses: list[str], rows: Sequence[PromptRow]) -> Scored:
+    def __call__(self, prompts: list[str], responses: list[str], rows: Sequence[PromptRow],
+                 context: ScoreContext | None = None) -> Scored:
         check_lengths(prompts, responses, rows)
-        values = self.call(prompts, responses, rows)
+        values = self.call(prompts, responses, rows, context)
         scores = torch.tensor([_as_float(v, self.name, i) for i, v in enumerate(values)], dtype=torch.float32)
         return scored(scores, torch.isfinite(scores))
 

@@ -24,7 +24,7 @@ from rlhflab.errors import UserInputError
 from rlhflab.data.prompt_rows import PromptRow
 from rlhflab.models import build_random_reward_model, can_pack_pairs, grouped_scores, is_encoder_reward_model
 from rlhflab.models import pack_groups, sequence_scores, special_tokens_frame
-from rlhflab.rewards.base import Scored, check_lengths, scored
+from rlhflab.rewards.base import ScoreContext, Scored, check_lengths, scored
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +105,8 @@ class ModelReward:
         return rows
 
     @torch.no_grad()
-    def __call__(self, prompts: list[str], responses: list[str], rows: Sequence[PromptRow]) -> Scored:
+    def __call__(self, prompts: list[str], responses: list[str], rows: Sequence[PromptRow],
+                 context: ScoreContext | None = None) -> Scored:
         check_lengths(prompts, responses, rows)
         rows = self.encode(prompts, responses)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
@@ -157,8 +158,9 @@ class ReloadedModelReward:
     def __init__(self, load: Callable[[], nn.Module], tokenizer, **settings):
         self.load, self.tokenizer, self.settings = load, tokenizer, settings
 
-    def __call__(self, prompts: list[str], responses: list[str], rows: Sequence[PromptRow]) -> Scored:
-        return ModelReward(self.load(), self.tokenizer, **self.settings)(prompts, responses, rows)
+    def __call__(self, prompts: list[str], responses: list[str], rows: Sequence[PromptRow],
+                 context: ScoreContext | None = None) -> Scored:
+        return ModelReward(self.load(), self.tokenizer, **self.settings)(prompts, responses, rows, context)
 
 
 def random_model_reward(tokenizer, seed: int = 0, **sizes) -> ModelReward:

@@ -17,6 +17,7 @@ class Answer:
     text: str  # the response decoded up to (not including) the first EOS
     ended_with_eos: bool  # False when the response ran to max_new_tokens
     num_tokens: int  # response tokens, EOS included
+    token_ids: tuple[int, ...] = ()  # the response's tokens, EOS included (TRL's completion_ids)
 
 
 def decode_responses(tokenizer, response_ids: torch.Tensor, response_mask: torch.Tensor, eos_id: int) -> list[str]:
@@ -50,8 +51,9 @@ def generate_answers(
             settings=settings, generator=generator,
         )
         texts = decode_responses(tokenizer, out.response_ids, out.response_mask, tokenizer.eos_token_id)
-        lengths = out.response_mask.sum(dim=1).tolist()
-        for text, eos, length in zip(texts, out.ended_with_eos.tolist(), lengths):
-            answers.append(Answer(text=text, ended_with_eos=bool(eos), num_tokens=int(length)))
+        ids = [tuple(t for t, real in zip(row, mask) if real)
+               for row, mask in zip(out.response_ids.tolist(), out.response_mask.tolist())]
+        for text, eos, tokens in zip(texts, out.ended_with_eos.tolist(), ids):
+            answers.append(Answer(text=text, ended_with_eos=bool(eos), num_tokens=len(tokens), token_ids=tokens))
     model.train(was_training)
     return answers

@@ -50,7 +50,8 @@ def file_prompts(path: str, tokenizer, *, max_prompt_tokens: int | None = None, 
     """Prompt rows of a user file or dataset (prompt-only rows; other formats give their prompt)."""
     examples = data.load_examples(path, "prompts", tokenizer=tokenizer, max_prompt_tokens=max_prompt_tokens,
                                   strict=strict, split=split, config=config)
-    return [PromptRow(e.prompt, _with_reference(e), e.where) for e in examples]
+    return [PromptRow(e.prompt, _with_reference(e), e.where, None if e.messages is None else tuple(e.messages))
+            for e in examples]
 
 
 def _with_reference(example: data.PromptExample) -> dict:

@@ -19,13 +19,20 @@ from rlhflab.tracking import RunDir
 
 def answer_rows(model, tokenizer, rows: Sequence[PromptRow], cfg, progress: bool = False) -> list[dict]:
     """Answer `rows` with the config's evaluation decoding: one dict per row (prompt, answer, EOS, length)."""
+    return answer_rows_and_ids(model, tokenizer, rows, cfg, progress)[0]
+
+
+def answer_rows_and_ids(model, tokenizer, rows: Sequence[PromptRow], cfg,
+                        progress: bool = False) -> tuple[list[dict], list[list[int]]]:
+    """`answer_rows`, and each answer's token ids (EOS included) for the reward functions that read them."""
     settings = GenerationSettings(cfg.max_new_tokens, cfg.do_sample, cfg.temperature, cfg.top_k, cfg.top_p)
     generator = torch.Generator().manual_seed(cfg.seed)
     answers = generate_answers(model, tokenizer, [r.prompt for r in rows], settings,
                                batch_size=cfg.eval_batch_size, generator=generator, progress=progress)
-    return [{"family": row.family, "prompt": row.prompt, "answer": answer.text,
-             "reference": row.columns.get("reference"), "ended_with_eos": answer.ended_with_eos,
-             "response_tokens": answer.num_tokens} for row, answer in zip(rows, answers)]
+    answered = [{"family": row.family, "prompt": row.prompt, "answer": answer.text,
+                 "reference": row.columns.get("reference"), "ended_with_eos": answer.ended_with_eos,
+                 "response_tokens": answer.num_tokens} for row, answer in zip(rows, answers)]
+    return answered, [list(answer.token_ids) for answer in answers]
 
 
 def verify_rows(answered: list[dict], rows: Sequence[PromptRow], verifier: Verifier) -> list[dict]:

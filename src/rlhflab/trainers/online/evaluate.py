@@ -19,7 +19,7 @@ import logging
 from rlhflab import rewards
 from rlhflab.data.prompt_rows import PromptRow
 from rlhflab.tracking import RunDir
-from rlhflab.trainers.validation import answer_rows, pass_rate_table, verify_rows
+from rlhflab.trainers.validation import answer_rows_and_ids, pass_rate_table, verify_rows
 
 log = logging.getLogger("rlhflab")
 
@@ -44,12 +44,12 @@ class Evaluator:
         return "val/pass_rate" if self.verifier is not None else "val/reward"
 
     def evaluate(self, policy, step: int, episode: int) -> dict:
-        answered = answer_rows(policy, self.tokenizer, self.rows, self.cfg)
+        answered, ids = answer_rows_and_ids(policy, self.tokenizer, self.rows, self.cfg)
         if self.verifier is not None:
             answered = verify_rows(answered, self.rows, self.verifier)
             metrics, headline = self._pass_rates(answered)
-        else:
-            metrics, headline = self._rewards(answered)
+        else:  # `step` updates are done: the reward functions are told so, as during training
+            metrics, headline = self._rewards(answered, rewards.ScoreContext(ids, step))
         self.run.add_samples({"step": step, "episode": episode, **row} for row in answered[: self.cfg.sample_prompts])
         metrics["episode"] = episode
         self.run.log(metrics, step=step)
@@ -64,9 +64,9 @@ class Evaluator:
         metrics = {"val/pass_rate": table["overall"], **{f"val/pass_rate/{f}": r for f, r in families.items()}}
         return metrics, f"validation pass rate {table['overall']:.1%}"
 
-    def _rewards(self, answered: list[dict]) -> tuple[dict, str]:
-        out = rewards.as_scored(self.reward_fn([a["prompt"] for a in answered], [a["answer"] for a in answered],
-                                               self.rows[: len(answered)]))
+    def _rewards(self, answered: list[dict], context: rewards.ScoreContext) -> tuple[dict, str]:
+        out = rewards.as_scored(rewards.score(self.reward_fn, [a["prompt"] for a in answered],
+                                              [a["answer"] for a in answered], self.rows[: len(answered)], context))
         penalty = self.cfg.missing_eos_penalty
         for row, score, valid in zip(answered, out.scores.tolist(), out.valid.tolist()):
             row["score"] = score - penalty * (not row["ended_with_eos"]) if valid else None

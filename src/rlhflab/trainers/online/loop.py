@@ -57,10 +57,15 @@ from rlhflab.trainers.setup import seed_everything
 log = logging.getLogger("rlhflab")
 
 
-def score_rollout(rollout: Rollout, reward_fn, tokenizer, rows: list[PromptRow], penalty: float):
-    """(B,) scores with the missing-EOS penalty, and (B,) validity of each row."""
+def score_rollout(rollout: Rollout, reward_fn, tokenizer, rows: list[PromptRow], penalty: float,
+                  updates_done: int = 0):
+    """(B,) scores with the missing-EOS penalty, and (B,) validity of each row. The reward is told each
+    response's token ids (its EOS included, as TRL's `completion_ids`) and the updates done so far."""
     texts = decode_responses(tokenizer, rollout.response_ids, rollout.response_mask, tokenizer.eos_token_id)
-    scored = rewards.as_scored(reward_fn([r.prompt for r in rows], texts, rows))
+    ids = [[t for t, real in zip(row, mask) if real]
+           for row, mask in zip(rollout.response_ids.tolist(), rollout.response_mask.tolist())]
+    context = rewards.ScoreContext(completion_ids=ids, global_step=updates_done)
+    scored = rewards.as_scored(rewards.score(reward_fn, [r.prompt for r in rows], texts, rows, context))
     if scored.scores.shape != (rollout.batch_size,):
         raise UserInputError(f"the reward returned {tuple(scored.scores.shape)} scores for {rollout.batch_size} responses",
                              "reward_fn", "return one score per response, in the order given")
@@ -86,7 +91,7 @@ def rollout_of_update(ranks: OnlineRanks, update: int, batch_ids: list[int], pro
                               place=place, response_width=world.max if world.distributed else None)
     t1 = time.time()
     scores, valid = score_rollout(rollout, reward_fn, tokenizer, [train_rows[i] for i in mine],
-                                  cfg.missing_eos_penalty)
+                                  cfg.missing_eos_penalty, updates_done=update - 1)
     if world.distributed:
         scores, valid = parallel.gather_rows(scores, world), parallel.gather_rows(valid.to(torch.uint8), world).bool()
     return gather_rollout(rollout, world), scores, valid, time.time() - t1
