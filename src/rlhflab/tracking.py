@@ -27,8 +27,9 @@ import sys
 import time
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
+from rlhflab.callbacks import Callback, CallbackSink
 from rlhflab.errors import UserInputError
 
 RUN_MARKERS = ("config.yaml", "summary.json", "metrics.jsonl")
@@ -101,27 +102,36 @@ def _strict_json(value: Any) -> Any:
     return _jsonable(value) if isinstance(value, float) else value
 
 
+def check_folder_free(path: Path, overwrite: bool) -> None:
+    """Refuse a file where the run folder should be, and a folder holding another run unless `overwrite`."""
+    if path.exists() and not path.is_dir():
+        raise UserInputError(f"output path is a file, not a folder: {path}", "--output_dir")
+    held = [name for name in RUN_MARKERS if (path / name).exists()]
+    if held and not overwrite:
+        raise UserInputError(
+            f"folder already holds a run ({', '.join(held)})",
+            str(path),
+            "choose another --output_dir, or pass --overwrite to replace it",
+        )
+
+
 class RunDir:
     """A run folder: created once, appended to while the run goes on."""
 
-    def __init__(self, path: str | Path, *, overwrite: bool = False, report_to: str = "none", resume: bool = False):
-        """`resume=True` reopens a run's folder as it is (rlhflab.checkpoint cuts its histories back)."""
+    def __init__(self, path: str | Path, *, overwrite: bool = False, report_to: str = "none", resume: bool = False,
+                 callbacks: Sequence[Callback] = ()):
+        """`resume=True` reopens a run's folder as it is (rlhflab.checkpoint cuts its histories back);
+        `callbacks` see every logged row and the summary at the end (rlhflab.callbacks)."""
         self.path = Path(path)
         backends = sink_names(report_to)  # a typo fails before the folder is made
-        if self.path.exists() and not self.path.is_dir():
-            raise UserInputError(f"output path is a file, not a folder: {self.path}", "--output_dir")
-        held = [name for name in RUN_MARKERS if (self.path / name).exists()]
-        if held and not overwrite and not resume:
-            raise UserInputError(
-                f"folder already holds a run ({', '.join(held)})",
-                str(self.path),
-                "choose another --output_dir, or pass --overwrite to replace it",
-            )
+        check_folder_free(self.path, overwrite or resume)
         self.path.mkdir(parents=True, exist_ok=True)
         for name in ("metrics.jsonl", "samples.jsonl"):
             if not resume:
                 (self.path / name).write_text("")
         self._sinks = [_make_sink(name, self.path) for name in backends]
+        if callbacks:
+            self._sinks.append(CallbackSink(callbacks, self.path))
         self.started = time.time()
 
     def write_json(self, name: str, payload: Any) -> Path:

@@ -18,7 +18,7 @@ import os
 import shutil
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 import yaml
@@ -28,6 +28,7 @@ from rlhflab.checkpoint.folder import SHARDED, begin_checkpoint, complete_checkp
 from rlhflab.checkpoint.folder import latest_checkpoint, load_checkpoint, remove_checkpoint, step_of
 from rlhflab.checkpoint.ranks import FollowerRun, check_layout
 from rlhflab.checkpoint.signals import Interrupted, StopSignals
+from rlhflab.callbacks import Callback
 from rlhflab.checkpoint.state import all_finite
 from rlhflab.config import config_to_dict, write_config
 from rlhflab.errors import UserInputError
@@ -132,8 +133,10 @@ def restore_histories(run_path: Path, position: dict[str, dict]) -> None:
 SINGLE_LAYOUT = parallel.Layout("none", parallel.SINGLE)
 
 
-def open_run(cfg, stage: str, layout: parallel.Layout = SINGLE_LAYOUT) -> tuple[RunDir, Resumed | None]:
-    """The run folder, fresh (config.yaml and versions.json written) or resumed from `cfg.resume`.
+def open_run(cfg, stage: str, layout: parallel.Layout = SINGLE_LAYOUT,
+             callbacks: Sequence[Callback] = ()) -> tuple[RunDir, Resumed | None]:
+    """The run folder, fresh (config.yaml and versions.json written) or resumed from `cfg.resume`; `callbacks`
+    watch what it logs (rank 0).
 
     A resumed run's folder is only checked here; `Resumed.commit()` changes it (module doc). Several
     processes: rank 0 opens it (its error, if any, is raised on every rank); the others get a
@@ -141,11 +144,11 @@ def open_run(cfg, stage: str, layout: parallel.Layout = SINGLE_LAYOUT) -> tuple[
     """
     world = layout.world
     if not world.distributed:
-        return _open_here(cfg, stage, layout)
+        return _open_here(cfg, stage, layout, callbacks)
     opened: list = []
 
     def open_on_main() -> tuple[str, str | None]:
-        opened.extend(_open_here(cfg, stage, layout))
+        opened.extend(_open_here(cfg, stage, layout, callbacks))
         run, resumed = opened
         return str(run.path), str(resumed.checkpoint) if resumed is not None else None
 
@@ -158,10 +161,12 @@ def open_run(cfg, stage: str, layout: parallel.Layout = SINGLE_LAYOUT) -> tuple[
     return FollowerRun(path), Resumed(Path(checkpoint), step, weights, state, {})
 
 
-def _open_here(cfg, stage: str, layout: parallel.Layout) -> tuple[RunDir, Resumed | None]:
+def _open_here(cfg, stage: str, layout: parallel.Layout,
+               callbacks: Sequence[Callback]) -> tuple[RunDir, Resumed | None]:
     """`open_run` in the process that writes the run folder."""
     if not cfg.resume:
-        run = RunDir(cfg.output_dir or default_run_path(stage), overwrite=cfg.overwrite, report_to=cfg.report_to)
+        run = RunDir(cfg.output_dir or default_run_path(stage), overwrite=cfg.overwrite, report_to=cfg.report_to,
+                     callbacks=callbacks)
         # a replaced run's leftovers: never resume into its checkpoints, never merge into its summary / report
         shutil.rmtree(run.path / "checkpoints", ignore_errors=True)
         for name in ("summary.json", "report.html"):
@@ -178,7 +183,7 @@ def _open_here(cfg, stage: str, layout: parallel.Layout) -> tuple[RunDir, Resume
     step, weights, state = load_checkpoint(checkpoint)
     check_layout(state.get("parallel"), layout, f"--resume {cfg.resume}")
     check_histories(run_path, state["histories"])
-    run = RunDir(run_path, resume=True, report_to=cfg.report_to)
+    run = RunDir(run_path, resume=True, report_to=cfg.report_to, callbacks=callbacks)
 
     def commit() -> None:
         restore_histories(run_path, state["histories"])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from rlhflab.eval.alarms import AlarmRules, Alarms
 from rlhflab.eval.stopping import StoppingRule, parse_alarm_names
+from rlhflab.trainers.given import NOTHING, Given
 from rlhflab.trainers.online.setup import held_out_metric
 
 
@@ -22,10 +23,10 @@ class RunMonitor:
         self.stopping = stopping or StoppingRule(signal=signal)
 
     @classmethod
-    def from_config(cls, cfg) -> RunMonitor:
+    def from_config(cls, cfg, given: Given = NOTHING) -> RunMonitor:
         """From a PPOConfig's alarm and stop_* fields (README "Alarms and stopping"), watching the
-        held-out metric its verifier settings give (`held_out_metric`)."""
-        signal = held_out_metric(cfg)
+        held-out metric its verifier settings (or a verifier `given` in memory) give (`held_out_metric`)."""
+        signal = held_out_metric(cfg, given)
         rules = AlarmRules(
             min_delta=cfg.stop_min_delta, score_rise_bound=cfg.score_rise_bound, kl_rate_bound=cfg.kl_rate_bound,
             kl_cap=cfg.kl_cap, length_drift_bound=cfg.length_drift_bound, capped_share_bound=cfg.capped_share_bound,

@@ -11,7 +11,7 @@ A user's own functions (TRL's `reward_funcs` signature) become sources with
 from rlhflab.rewards.base import Check, RewardSource, ScoreContext, Scored, Verifier, as_scored, score
 from rlhflab.rewards.checker import CheckerReward, CheckerVerifier, task_item
 from rlhflab.rewards.combine import CombinedReward
-from rlhflab.rewards.functions import FunctionReward, FunctionVerifier, load_function
+from rlhflab.rewards.functions import FunctionReward, FunctionVerifier, function_name, load_function
 from rlhflab.rewards.model import ModelReward, ReloadedModelReward, random_model_reward
 
 # config name -> constructor
@@ -37,6 +37,7 @@ __all__ = [
     "Scored",
     "Verifier",
     "as_scored",
+    "function_name",
     "load_function",
     "random_model_reward",
     "score",

@@ -52,6 +52,7 @@ from rlhflab.trainers.setup import (
     save_policy_folder,
     seed_everything,
 )
+from rlhflab.trainers.given import NOTHING, Given
 from rlhflab.trainers.sft import batch_stream
 from rlhflab.trainers.single_state import checkpointer, pack_single, unpack_single
 from rlhflab.trainers.validation import validate_pass_rate
@@ -263,7 +264,7 @@ def planned_pairs(cfg: DPOConfig, num_train: int) -> tuple[int, int]:
     return steps, int(min(budget, steps * cfg.batch_size))
 
 
-def train(cfg: DPOConfig, run: RunDir | None = None) -> RunResult:
+def train(cfg: DPOConfig, run: RunDir | None = None, given: Given = NOTHING) -> RunResult:
     """Run DPO / IPO / SimPO as configured; returns the run folder and the HF policy folder it wrote."""
     started = time.time()
     world = parallel.init_world(cfg.device)
@@ -273,11 +274,13 @@ def train(cfg: DPOConfig, run: RunDir | None = None) -> RunResult:
     configure_threads(world.threads(cfg.threads))
     models.configure_logits_chunks(cfg.logits_chunk_mib)
     seed_everything(cfg.seed, cfg.deterministic)
-    # 1. policy and pairs, validated and tokenised before the run folder exists (every rank builds the same)
+    # 1. pairs, validated and tokenised before any model is loaded and the run folder exists (every rank builds the
+    # same), then the policy
+    tokenizer = models.load_tokenizer(cfg.tokenizer or cfg.model, trust_remote_code=cfg.trust_remote_code)
+    dpo = load_dpo_data(cfg, tokenizer, world, given.verifier)
+    world.check_same(dpo.train, "the tokenised training pairs")
     policy, tokenizer = build_policy(cfg, world.device)
     pad_id = tokenizer.pad_token_id
-    dpo = load_dpo_data(cfg, tokenizer, world)
-    world.check_same(dpo.train, "the tokenised training pairs")
     # 2. reference log-probs, once (then no reference is resident), under the training forward's autocast: the
     # first step's implicit rewards are then exactly 0
     with precision.autocast():
@@ -289,7 +292,7 @@ def train(cfg: DPOConfig, run: RunDir | None = None) -> RunResult:
         models.enable_gradient_checkpointing(policy, "DPO policy")
     wrapped = parallel.wrap_model(policy, world, cfg.parallel_strategy)
     packed = cfg.shared_prefix and can_pack(policy) and not parallel.holds_shards(policy)  # packed rows: whole weights
-    run, resumed = open_run(cfg, "dpo", wrapped.layout) if run is None else (run, None)
+    run, resumed = open_run(cfg, "dpo", wrapped.layout, given.callbacks) if run is None else (run, None)
     total, pair_budget = planned_pairs(cfg, len(dpo.train))
     optimizer = wrapped.prepare(make_optimizer(wrapped.model.parameters(), cfg, fused=True), cfg.max_grad_norm)
     scheduler = make_scheduler(optimizer, cfg, total)

@@ -16,6 +16,7 @@ from rlhflab.config import DPOConfig
 from rlhflab.data.prompt_rows import PromptRow
 from rlhflab.errors import UserInputError
 from rlhflab.sources import PromptSplits
+from rlhflab.trainers.given import Given
 from rlhflab.trainers.online.setup import build_verifier
 from rlhflab.trainers.reward import hard_negative_pairs
 
@@ -105,9 +106,10 @@ def file_pair_examples(cfg: DPOConfig, tokenizer) -> tuple[dict[str, list[data.P
     return {"train": train, "validation": validation}, PromptSplits([], list(first.values()), cfg.train_file)
 
 
-def load_dpo_data(cfg: DPOConfig, tokenizer, world: parallel.World | None = None) -> DPOData:
+def load_dpo_data(cfg: DPOConfig, tokenizer, world: parallel.World | None = None,
+                  verifier_fn=None) -> DPOData:
     """Pairs and validation prompts named by `cfg`: a user's files when given, else the built-in suite (the same on
-    every process of `world`)."""
+    every process of `world`); `verifier_fn`: a verifier handed in memory, in place of `cfg.verifier`."""
     if cfg.train_file and (cfg.hard_negatives or cfg.near_misses):
         raise UserInputError("hard negatives and near misses are built from the built-in suite's items",
                              "--hard_negatives / --near_misses", "drop them, or add such pairs to your file")
@@ -119,7 +121,7 @@ def load_dpo_data(cfg: DPOConfig, tokenizer, world: parallel.World | None = None
     if not pairs["train"]:
         raise UserInputError("no training pairs", "--train_file / --pair_kinds",
                              "give a file with preference rows, or allow violation kinds the suite's families produce")
-    verifier = build_verifier(cfg, prompts) if prompts.validation else None
+    verifier = build_verifier(cfg, prompts, Given(verifier=verifier_fn)) if prompts.validation else None
     rows = prompts.validation[: cfg.eval_prompts] if verifier is not None else []
     return DPOData(train=tokenize_preferences(pairs["train"], tokenizer, cfg.max_length),
                    validation=tokenize_preferences(pairs["validation"], tokenizer, cfg.max_length),

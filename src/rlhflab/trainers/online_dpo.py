@@ -21,6 +21,7 @@ from rlhflab.config import OnlineDPOConfig
 from rlhflab.core import dpo_loss, ipo_loss
 from rlhflab.errors import UserInputError
 from rlhflab.tracking import RunDir, RunResult
+from rlhflab.trainers.given import NOTHING, Given
 from rlhflab.trainers.online.algorithm import Advantages, AlgorithmDefaults, ScoredRollout, StepShare
 from rlhflab.trainers.online.loop import train_online
 from rlhflab.trainers.online.monitor import Monitor
@@ -121,6 +122,7 @@ def check_config(cfg: OnlineDPOConfig) -> None:
     check_online_config(cfg, algorithm.epochs, algorithm.samples_per_prompt)
 
 
-def train(cfg: OnlineDPOConfig, run: RunDir | None = None, reward_fn=None, monitor: Monitor | None = None) -> RunResult:
+def train(cfg: OnlineDPOConfig, run: RunDir | None = None, reward_fn=None, monitor: Monitor | None = None,
+          given: Given = NOTHING) -> RunResult:
     """Run online DPO as configured (trainers/online/loop.py's `train_online` says what each argument does)."""
-    return train_online(cfg, OnlineDPO(cfg), run, reward_fn, monitor)
+    return train_online(cfg, OnlineDPO(cfg), run, reward_fn, monitor, given)

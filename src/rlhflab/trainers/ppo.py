@@ -24,6 +24,7 @@ from rlhflab.config import PPOConfig
 from rlhflab.core import KL_ESTIMATORS, clipped_value_loss, gae, ppo_policy_loss, token_rewards, whiten
 from rlhflab.errors import UserInputError
 from rlhflab.tracking import RunDir, RunResult
+from rlhflab.trainers.given import NOTHING, Given
 from rlhflab.trainers.online.algorithm import (Advantages, AlgorithmDefaults, ScoredRollout, StepPart, StepShare,
                                                weighted_advantages)
 from rlhflab.trainers.online.loop import train_online
@@ -176,6 +177,7 @@ def check_config(cfg: PPOConfig) -> None:
     check_online_config(cfg, PPO(cfg).epochs, PPO.samples_per_prompt)
 
 
-def train(cfg: PPOConfig, run: RunDir | None = None, reward_fn=None, monitor: Monitor | None = None) -> RunResult:
+def train(cfg: PPOConfig, run: RunDir | None = None, reward_fn=None, monitor: Monitor | None = None,
+          given: Given = NOTHING) -> RunResult:
     """Run PPO as configured (trainers/online/loop.py's `train_online` says what each argument does)."""
-    return train_online(cfg, PPO(cfg), run, reward_fn, monitor)
+    return train_online(cfg, PPO(cfg), run, reward_fn, monitor, given)

@@ -19,6 +19,7 @@ from rlhflab.core import (MovingAverageBaseline, discounted_returns, masked_mean
                           whiten)
 from rlhflab.errors import UserInputError
 from rlhflab.tracking import RunDir, RunResult
+from rlhflab.trainers.given import NOTHING, Given
 from rlhflab.trainers.online.algorithm import (Advantages, AlgorithmDefaults, ScoredRollout, StepShare,
                                                weighted_advantages)
 from rlhflab.trainers.online.loop import train_online
@@ -92,6 +93,7 @@ def check_config(cfg: REINFORCEConfig) -> None:
     check_online_config(cfg, algorithm.epochs, algorithm.samples_per_prompt)
 
 
-def train(cfg: REINFORCEConfig, run: RunDir | None = None, reward_fn=None, monitor: Monitor | None = None) -> RunResult:
+def train(cfg: REINFORCEConfig, run: RunDir | None = None, reward_fn=None, monitor: Monitor | None = None,
+          given: Given = NOTHING) -> RunResult:
     """Run REINFORCE as configured (trainers/online/loop.py's `train_online` says what each argument does)."""
-    return train_online(cfg, REINFORCE(cfg), run, reward_fn, monitor)
+    return train_online(cfg, REINFORCE(cfg), run, reward_fn, monitor, given)

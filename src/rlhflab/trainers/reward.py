@@ -37,6 +37,7 @@ from rlhflab.errors import UserInputError
 from rlhflab.models.precision import MixedPrecision, float32_for_training, precision_from_config
 from rlhflab.rollout import GenerationSettings, generate_answers
 from rlhflab.tracking import RunDir, RunResult
+from rlhflab.trainers.given import NOTHING, Given
 from rlhflab.trainers.nonfinite import clip_and_step, guarded_step
 from rlhflab.trainers.single_state import checkpointer, pack_single, unpack_single
 from rlhflab.trainers.weight_average import WeightAverage, first_averaged_step
@@ -410,7 +411,7 @@ def train_step(wrapped: parallel.Wrapped, optimizer, scheduler, batch: list[Toke
             "skipped": grad_norm is None and not precision.overflowed, **precision.metrics()}
 
 
-def train(cfg: RMConfig, run: RunDir | None = None) -> RunResult:
+def train(cfg: RMConfig, run: RunDir | None = None, given: Given = NOTHING) -> RunResult:
     """Train a reward model as configured; returns the run folder and the HF reward-model folder."""
     started = time.time()
     if not cfg.model:
@@ -450,7 +451,7 @@ def train(cfg: RMConfig, run: RunDir | None = None) -> RunResult:
     world.check_same(pairs["train"], "the tokenised training pairs")
     wrapped = parallel.wrap_model(model, world, cfg.parallel_strategy)
     shared_prefix = use_shared_prefix(cfg, wrapped.model)
-    run, resumed = open_run(cfg, "rm", wrapped.layout) if run is None else (run, None)
+    run, resumed = open_run(cfg, "rm", wrapped.layout, given.callbacks) if run is None else (run, None)
     steps_per_epoch = math.ceil(len(pairs["train"]) / cfg.batch_size)
     total = steps_per_epoch * cfg.num_epochs
     optimizer = make_optimizer(wrapped.model.parameters(), cfg, fused=not wrapped.layout.sharded)

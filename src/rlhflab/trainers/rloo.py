@@ -17,6 +17,7 @@ from torch import Tensor
 from rlhflab.config import RLOOConfig
 from rlhflab.core import rloo_advantages
 from rlhflab.tracking import RunDir, RunResult
+from rlhflab.trainers.given import NOTHING, Given
 from rlhflab.trainers.online.algorithm import Advantages, AlgorithmDefaults, ScoredRollout, StepShare
 from rlhflab.trainers.online.clipped import (STEP_NAMES, ClipSettings, check_group, clipped_policy_loss,
                                              group_metrics, sequence_advantages)
@@ -62,6 +63,7 @@ def check_config(cfg: RLOOConfig) -> None:
     check_online_config(cfg, algorithm.epochs, algorithm.samples_per_prompt)
 
 
-def train(cfg: RLOOConfig, run: RunDir | None = None, reward_fn=None, monitor: Monitor | None = None) -> RunResult:
+def train(cfg: RLOOConfig, run: RunDir | None = None, reward_fn=None, monitor: Monitor | None = None,
+          given: Given = NOTHING) -> RunResult:
     """Run RLOO as configured (trainers/online/loop.py's `train_online` says what each argument does)."""
-    return train_online(cfg, RLOO(cfg), run, reward_fn, monitor)
+    return train_online(cfg, RLOO(cfg), run, reward_fn, monitor, given)

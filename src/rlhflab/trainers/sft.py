@@ -33,6 +33,7 @@ from rlhflab.data.prompt_rows import PromptRow
 from rlhflab.errors import UserInputError
 from rlhflab.models.precision import MixedPrecision, precision_from_config
 from rlhflab.tracking import RunDir, RunResult
+from rlhflab.trainers.given import NOTHING, Given
 from rlhflab.trainers.nonfinite import clip_and_step, guarded_step
 from rlhflab.trainers.single_state import checkpointer, pack_single, unpack_single
 from rlhflab.trainers.validation import validate_pass_rate
@@ -227,8 +228,9 @@ def batch_stream(lengths: list[int], batch_size: int, group_by_length: int, rng:
         yield from groups
 
 
-def train(cfg: SFTConfig, run: RunDir | None = None) -> RunResult:
-    """Run SFT as configured; returns the run folder and the HF model folder it wrote."""
+def train(cfg: SFTConfig, run: RunDir | None = None, given: Given = NOTHING) -> RunResult:
+    """Run SFT as configured; returns the run folder and the HF model folder it wrote. `given.callbacks` watch
+    the run (rlhflab.callbacks)."""
     started = time.time()
     world = parallel.init_world(cfg.device)
     configure_threads(world.threads(cfg.threads))
@@ -239,7 +241,10 @@ def train(cfg: SFTConfig, run: RunDir | None = None) -> RunResult:
     parallel.local_batch_size(cfg.batch_size, world)  # a batch that does not divide over the ranks is refused
     # before any model is loaded: what the device cannot do is refused here (models/precision.py)
     precision = precision_from_config(cfg, world.device, parallel.resolve_strategy(cfg.parallel_strategy, world))
-    # 1. model and tokenizer (the tiny default is built from the suite's templates)
+    # 1. a given model's data checked before the model is loaded; the model and tokenizer (the tiny default is
+    # built from the suite's templates)
+    early_data = load_sft_data(cfg, models.load_tokenizer(cfg.tokenizer or cfg.model,
+                                                          trust_remote_code=cfg.trust_remote_code)) if cfg.model else None
     model, tokenizer = load_or_build_policy(cfg)
     model.to(world.device)
     models.disable_dropout(model)
@@ -247,11 +252,11 @@ def train(cfg: SFTConfig, run: RunDir | None = None) -> RunResult:
     if cfg.gradient_checkpointing:  # before wrapping: the engines wrap the checkpointed layers
         models.enable_gradient_checkpointing(model, "SFT model")
     # 2. data, validated and tokenised before the run folder is created (every rank builds the same)
-    sft_data = load_sft_data(cfg, tokenizer)
+    sft_data = early_data if early_data is not None else load_sft_data(cfg, tokenizer)
     world.check_same(sft_data.train, "the tokenised SFT training data")
     wrapped = parallel.wrap_model(model, world, cfg.parallel_strategy)
     packing = use_packing(cfg, wrapped.model, wrapped.same_passes)
-    run, resumed = open_run(cfg, "sft", wrapped.layout) if run is None else (run, None)
+    run, resumed = open_run(cfg, "sft", wrapped.layout, given.callbacks) if run is None else (run, None)
     order_rng = random.Random(cfg.seed)
     optimizer = make_optimizer(wrapped.model.parameters(), cfg, fused=not wrapped.layout.sharded)
     optimizer = wrapped.prepare(optimizer, cfg.max_grad_norm)

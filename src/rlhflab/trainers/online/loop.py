@@ -39,6 +39,7 @@ from rlhflab.rollout.backends import generation_autocast
 from rlhflab.rollout.diversity import diversity_metrics
 from rlhflab.rollout.rollout import Rollout, collect_rollout
 from rlhflab.tracking import RunDir, RunResult
+from rlhflab.trainers.given import NOTHING, Given
 from rlhflab.trainers.headroom import record_start_headroom
 from rlhflab.trainers.online.algorithm import Algorithm, ScoredRollout
 from rlhflab.trainers.online.evaluate import Evaluator
@@ -183,7 +184,7 @@ def draw_prompts(order: list[int], count: int, group: int, generator, num_rows: 
 
 
 def train_online(cfg, algorithm: Algorithm, run: RunDir | None = None, reward_fn=None,
-                 monitor: Monitor | None = None) -> RunResult:
+                 monitor: Monitor | None = None, given: Given = NOTHING) -> RunResult:
     """Run `algorithm` as configured; returns the run folder and the HF policy folder it wrote.
 
     Prompts come from `cfg.train_file` / `validation_file`, or the built-in suite (`sources.prompt_splits`).
@@ -205,18 +206,20 @@ def train_online(cfg, algorithm: Algorithm, run: RunDir | None = None, reward_fn
     models.configure_logits_chunks(cfg.logits_chunk_mib)
     configure_allocator(cfg.mmap_threshold_mib)
     seed_everything(cfg.seed, cfg.deterministic)
-    roles, tokenizer = build_roles(cfg, critic=algorithm.critic, precision=precision)
-    prompts = sources.prompt_splits(cfg, tokenizer)
+    # the prompts and the verifier are checked before any model is loaded (a bad row is refused in seconds)
+    prompts = sources.prompt_splits(cfg, models.load_tokenizer(cfg.tokenizer or cfg.model,
+                                                                trust_remote_code=cfg.trust_remote_code))
     train_rows = prompts.train
-    verifier = build_verifier(cfg, prompts)
+    verifier = build_verifier(cfg, prompts, given)
+    roles, tokenizer = build_roles(cfg, critic=algorithm.critic, precision=precision)
     normalisation: dict = {}
     if reward_fn is None:
         reward_fn, normalisation = build_reward(cfg, tokenizer, roles.policy, train_rows[: cfg.calibration_prompts],
-                                                precision)
+                                                precision, given)
     prompt_ids = data.encode_prompts(tokenizer, [r.prompt for r in train_rows])
     world.check_same(prompt_ids, "the tokenised train prompts")
     ranks = wrap_roles(roles, cfg, world)  # before the optimiser: FSDP2 replaces the parameters
-    run, resumed = open_run(cfg, algorithm.name, ranks.layout) if run is None else (run, None)
+    run, resumed = open_run(cfg, algorithm.name, ranks.layout, given.callbacks) if run is None else (run, None)
 
     group = algorithm.samples_per_prompt
     num_updates = cfg.total_episodes // cfg.batch_size
@@ -360,8 +363,9 @@ def train_online(cfg, algorithm: Algorithm, run: RunDir | None = None, reward_fn
     walls["save"] += time.time() - t6
     held_out = saved_policy_numbers(first, last_eval, last, monitored, signal)
     summary = run.update_summary(
-        stage=algorithm.name, reward=reward_kind(cfg),
-        reward_functions=[s for s in cfg.reward_fn.split(",") if s.strip()],
+        stage=algorithm.name, reward=reward_kind(cfg, given),
+        reward_functions=[s for s in cfg.reward_fn.split(",") if s.strip()]
+        + [rewards.function_name(fn) for fn, _ in given.reward_functions],
         reward_normalisation=normalisation, prompts=prompts.source, samples_per_prompt=group,
         held_out=held_out_description(signal, verifier), updates=done, episodes=episode, **held_out,
         wall_time_s={**{k: round(v, 3) for k, v in walls.items()}, "total": round(time.time() - started, 3)},

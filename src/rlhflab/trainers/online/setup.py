@@ -16,6 +16,7 @@ from rlhflab.rollout.roles import PolicyRoles
 from rlhflab.data.prompt_rows import PromptRow
 from rlhflab.sources import PromptSplits
 from rlhflab.models.precision import MixedPrecision, float32_for_training, precision_from_config
+from rlhflab.trainers.given import NOTHING, Given
 from rlhflab.trainers.headroom import check_probe_fields
 from rlhflab.trainers.setup import add_lora, resolve_device
 
@@ -176,23 +177,23 @@ def reward_functions(cfg) -> list[tuple[rewards.FunctionReward, float]]:
     return [(rewards.FunctionReward(rewards.load_function(spec, "--reward_fn")), w) for spec, w in zip(specs, weights)]
 
 
-def reward_kind(cfg: OnlineFields) -> str:
+def reward_kind(cfg: OnlineFields, given: Given = NOTHING) -> str:
     """`cfg.reward` with "auto" resolved: model and / or functions when given, else the checker."""
     if cfg.reward != "auto":
         return cfg.reward
     if cfg.reward_model:
         return "model"
-    return "functions" if cfg.reward_fn.strip() else "checker"
+    return "functions" if cfg.reward_fn.strip() or given.reward_functions else "checker"
 
 
 def build_reward(cfg: OnlineFields, tokenizer, policy=None, calibration_rows=None,
-                 precision: MixedPrecision | None = None) -> tuple[object, dict]:
-    """The reward source the config names (`reward`, `reward_model`, `reward_fn`) behind one call,
-    and how RM scores were normalised. A reward model scores under `precision`'s autocast (its weights
-    stay in `--dtype`: frozen, they need no float32 master)."""
+                 precision: MixedPrecision | None = None, given: Given = NOTHING) -> tuple[object, dict]:
+    """The reward source the config names (`reward`, `reward_model`, `reward_fn`) and the functions `given`
+    in memory, behind one call, and how RM scores were normalised. A reward model scores under `precision`'s
+    autocast (its weights stay in `--dtype`: frozen, they need no float32 master)."""
     autocast = (precision or MixedPrecision()).autocast
-    kind = reward_kind(cfg)
-    parts = reward_functions(cfg)
+    kind = reward_kind(cfg, given)
+    parts = reward_functions(cfg) + [(rewards.FunctionReward(fn), weight) for fn, weight in given.reward_functions]
     norm: dict = {}
     if kind == "random":
         rm = models.build_random_reward_model(tokenizer, seed=cfg.seed).to(resolve_device(cfg.device))
@@ -228,8 +229,11 @@ def learned_reward(cfg: OnlineFields, tokenizer, policy, calibration_rows,
     return learned, norm
 
 
-def build_verifier(cfg, prompts: PromptSplits) -> rewards.Verifier | None:
-    """`--verifier`: a user function, 'checker', or by default the checker on the suite and none on user prompts."""
+def build_verifier(cfg, prompts: PromptSplits, given: Given = NOTHING) -> rewards.Verifier | None:
+    """A verifier `given` in memory, else `--verifier`: a user function, 'checker', or by default the checker on
+    the suite and none on user prompts."""
+    if given.verifier is not None:
+        return rewards.FunctionVerifier(given.verifier)
     spec = cfg.verifier.strip()
     if spec == "checker" or (not spec and prompts.is_suite):
         if not any(rewards.task_item(r) for r in prompts.validation[:1]):
@@ -241,8 +245,8 @@ def build_verifier(cfg, prompts: PromptSplits) -> rewards.Verifier | None:
     return rewards.FunctionVerifier(rewards.load_function(spec, "--verifier"))
 
 
-def held_out_metric(cfg) -> str:
+def held_out_metric(cfg, given: Given = NOTHING) -> str:
     """What validation, alarms, stopping and keep_best read: the verifier's pass rate, else the reward itself."""
     spec = cfg.verifier.strip()
-    has_verifier = spec not in ("", "none") or (not spec and not cfg.train_file)
+    has_verifier = given.verifier is not None or spec not in ("", "none") or (not spec and not cfg.train_file)
     return "val/pass_rate" if has_verifier else "val/reward"

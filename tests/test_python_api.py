@@ -1,0 +1,162 @@
+"""The Python API as a notebook uses it: a model, a `datasets.Dataset` and reward functions built in memory, no file
+written by the user; the same weights as the command line on the same settings; bad input refused before any
+model is loaded, nothing of an earlier run overwritten."""
+
+import json
+import textwrap
+
+import pytest
+import torch
+from datasets import Dataset
+from safetensors.torch import load_file
+
+import rlhflab
+from rlhflab import Callback, DPOConfig, GRPOConfig, PPOConfig, UserInputError, cli, models, tasks
+
+REWARDS = '''
+def correct(prompts, completions, answer, **kwargs):
+    return [1.0 if c[0]["content"].strip() == a else 0.0 for c, a in zip(completions, answer)]
+
+def short(completions, **kwargs):
+    return [-len(c[0]["content"]) / 10 for c in completions]
+'''
+namespace: dict = {}
+exec(REWARDS, namespace)  # the notebook's cell
+correct, short = namespace["correct"], namespace["short"]
+
+SETTINGS = dict(num_generations=2, batch_size=4, total_episodes=8, response_length=6, max_new_tokens=6, eval_every=0,
+                eval_prompts=4, learning_rate=1e-2, progress=False, write_report=False, threads=2, seed=3)
+FLAGS = [f"--{k}={v}" for k, v in SETTINGS.items()]
+
+
+def ask(a: int) -> list[dict]:
+    return [{"role": "user", "content": f"Add {a} and {a}."}]
+
+
+@pytest.fixture(scope="module")
+def in_memory():
+    tokenizer = models.build_tokenizer(tasks.template_corpus(), vocab_size=256)
+    model = models.build_tiny_model(tokenizer, arch="llama", hidden_size=32, num_layers=2, num_heads=4,
+                                    intermediate_size=64, seed=0)
+    prompts = Dataset.from_list([{"prompt": ask(a), "answer": str(2 * a)} for a in range(16)])
+    pairs = Dataset.from_list([{"prompt": ask(a), "chosen": [{"role": "assistant", "content": str(2 * a)}],
+                                "rejected": [{"role": "assistant", "content": str(2 * a + 1)}]} for a in range(16)])
+    return model, tokenizer, prompts, pairs
+
+
+def weights(run_dir):
+    return load_file(str(run_dir / "model" / "model.safetensors"))
+
+
+def as_files(tmp_path, model, tokenizer, dataset, name):
+    """What a command-line user writes by hand: the model folder, the data as JSONL, the functions' file."""
+    models.save_model_folder(tmp_path / "model", model, tokenizer)
+    (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in dataset.to_list()))
+    (tmp_path / "rewards.py").write_text(textwrap.dedent(REWARDS))
+    return str(tmp_path / "model"), str(tmp_path / f"{name}.jsonl"), str(tmp_path / "rewards.py")
+
+
+class Seen(Callback):
+    def __init__(self):
+        self.logs, self.evaluations, self.summary = [], [], None
+
+    def on_log(self, logs, step):
+        self.logs.append(step)
+
+    def on_evaluate(self, metrics, step):
+        self.evaluations.append((step, metrics["val/reward"]))
+
+    def on_train_end(self, summary):
+        self.summary = summary
+
+
+def test_grpo_from_memory_equals_the_cli_and_callbacks_see_the_run(in_memory, tmp_path):
+    model, tokenizer, prompts, _ = in_memory
+    seen = Seen()
+    result = rlhflab.GRPOTrainer(model=model, processing_class=tokenizer, reward_funcs=[correct, short],
+                                 train_dataset=prompts, callbacks=[seen],
+                                 args=GRPOConfig(output_dir=str(tmp_path / "api"), **SETTINGS)).train()
+    assert result.summary["reward_functions"] == ["correct", "short"] and result.summary["updates"] == 2
+    assert seen.summary["updates"] == 2 and [s for s, _ in seen.evaluations] == [0, 2]
+    assert seen.logs.count(1) == 1 and seen.logs.count(2) == 2  # update 2: its metrics and the evaluation
+    model_dir, data, fns = as_files(tmp_path, model, tokenizer, prompts, "prompts")
+    assert cli.main(["grpo", "--model", model_dir, "--train_file", data, "--reward_fn",
+                     f"{fns}:correct,{fns}:short", "--output_dir", str(tmp_path / "cli"), *FLAGS]) == 0
+    api, by_cli = weights(result.run_dir), weights(tmp_path / "cli")
+    assert api.keys() == by_cli.keys() and all(torch.equal(api[k], by_cli[k]) for k in api)
+    start = model.state_dict()
+    assert any(not torch.equal(api[k], start[k]) for k in api)  # it trained; the object passed is untouched
+    assert (result.run_dir / "inputs" / "train.parquet").is_file()  # the run folder holds what it trained on
+
+
+def test_dpo_with_a_peft_config_from_memory_equals_the_cli(in_memory, tmp_path):
+    from peft import LoraConfig
+
+    model, tokenizer, _, pairs = in_memory
+    settings = dict(max_steps=3, batch_size=4, learning_rate=1e-2, eval_every=0, progress=False, write_report=False,
+                    threads=2)
+    result = rlhflab.DPOTrainer(model=model, processing_class=tokenizer, train_dataset=pairs,
+                                peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+                                args=DPOConfig(output_dir=str(tmp_path / "api"), **settings)).train()
+    assert (result.run_dir / "adapter" / "adapter_config.json").is_file()
+    model_dir, data, _ = as_files(tmp_path, model, tokenizer, pairs, "pairs")
+    flags = [f"--{k}={v}" for k, v in settings.items()]
+    assert cli.main(["dpo", "--model", model_dir, "--train_file", data, "--lora_r", "4", "--lora_alpha", "8",
+                     "--lora_target_modules", "q_proj,v_proj", "--output_dir", str(tmp_path / "cli"), *flags]) == 0
+    api, by_cli = weights(result.run_dir), weights(tmp_path / "cli")
+    assert all(torch.equal(api[k], by_cli[k]) for k in api)
+
+
+def test_ppo_from_memory_with_a_verifier(in_memory, tmp_path):
+    model, tokenizer, prompts, _ = in_memory
+    verifier = lambda prompts, completions, answer, **kw: [c[0]["content"].strip() == a  # noqa: E731
+                                                            for c, a in zip(completions, answer)]
+    settings = {k: v for k, v in SETTINGS.items() if k != "num_generations"}
+    result = rlhflab.PPOTrainer(model=model, processing_class=tokenizer, reward_funcs=correct, verifier=verifier,
+                                train_dataset=prompts.select(range(12)), eval_dataset=prompts.select(range(12, 16)),
+                                args=PPOConfig(output_dir=str(tmp_path / "ppo"), **settings)).train()
+    assert result.summary["held_out"]["metric"] == "val/pass_rate"
+    assert result.summary["validation_pass_rate"]["start"] == 0.0 and result.model_dir.is_dir()
+
+
+def test_bad_input_is_refused_before_any_model_is_loaded_and_an_earlier_run_is_kept(in_memory, tmp_path, monkeypatch):
+    model, tokenizer, prompts, _ = in_memory
+    with pytest.raises(UserInputError, match="'learning_rate' should be float"):
+        rlhflab.GRPOTrainer(model=model, args=GRPOConfig(learning_rate="fast"))
+    with pytest.raises(UserInputError, match="takes no 'completions'"):
+        rlhflab.GRPOTrainer(model=model, reward_funcs=[lambda prompts, answers: [0.0]])
+    with pytest.raises(UserInputError, match="trains whole weights only"):
+        from peft import LoraConfig
+
+        rlhflab.RewardTrainer(model="m", peft_config=LoraConfig(r=4))
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(models, "load_causal_lm", no_loading)
+    missing = Dataset.from_list([{"question": "Add 1 and 1.", "answer": "2"}] * 8)
+    trainer = rlhflab.GRPOTrainer(model=model, processing_class=tokenizer, reward_funcs=[correct],
+                                  train_dataset=missing, args=GRPOConfig(output_dir=str(tmp_path / "run"), **SETTINGS))
+    with pytest.raises(UserInputError, match="prompt"):
+        trainer.train()
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "config.yaml").write_text("an earlier run\n")
+    trainer = rlhflab.GRPOTrainer(model=model, processing_class=tokenizer, reward_funcs=[correct],
+                                  train_dataset=prompts, args=GRPOConfig(output_dir=str(tmp_path / "old"), **SETTINGS))
+    with pytest.raises(UserInputError, match="already holds a run"):
+        trainer.train()
+    assert [p.name for p in (tmp_path / "old").iterdir()] == ["config.yaml"]  # nothing written into it
+
+
+def test_sft_from_a_list_of_dicts_with_callbacks_on_its_validation(in_memory, tmp_path):
+    model, tokenizer, _, _ = in_memory
+    rows = [{"prompt": ask(a), "completion": [{"role": "assistant", "content": str(2 * a)}]} for a in range(12)]
+    seen = Seen()
+    seen.on_evaluate = lambda metrics, step: seen.evaluations.append((step, metrics["val/loss"]))
+    result = rlhflab.SFTTrainer(model=model, processing_class=tokenizer, train_dataset=rows[:8], eval_dataset=rows[8:],
+                                callbacks=[seen], args=rlhflab.SFTConfig(
+                                    output_dir=str(tmp_path / "sft"), max_steps=4, batch_size=4, eval_every=2,
+                                    log_every=1, progress=False, write_report=False, threads=2)).train()
+    assert [s for s, _ in seen.evaluations] == [2, 4] and seen.logs.count(3) == 1
+    assert result.summary["validation"]["val/loss"] == seen.evaluations[-1][1]
+    assert (result.run_dir / "inputs" / "train.jsonl").read_text().count("\n") == 8
