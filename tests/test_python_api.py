@@ -87,6 +87,7 @@ def test_grpo_from_memory_equals_the_cli_and_callbacks_see_the_run(in_memory, tm
     start = model.state_dict()
     assert any(not torch.equal(api[k], start[k]) for k in api)  # it trained; the object passed is untouched
     assert (result.run_dir / "inputs" / "train.parquet").is_file()  # the run folder holds what it trained on
+    assert rlhflab.write_report(result.run_dir) == result.run_dir / "report.html"
 
 
 def test_dpo_with_a_peft_config_from_memory_equals_the_cli(in_memory, tmp_path):

@@ -25,7 +25,7 @@ _EXPORTS = {
     "ReinforceConfig": ("rlhflab.config", "REINFORCEConfig"),
     **{name: ("rlhflab.api", name) for name in (
         "SFTTrainer", "RewardTrainer", "PPOTrainer", "GRPOTrainer", "RLOOTrainer", "ReinforceTrainer", "DPOTrainer",
-        "OnlineDPOTrainer", "compare", "diagnose", "evaluate", "report", "run_stage")},
+        "OnlineDPOTrainer", "compare_methods", "diagnose", "evaluate", "write_report", "run_stage")},
     "Callback": ("rlhflab.callbacks", "Callback"),
     "RunResult": ("rlhflab.tracking", "RunResult"),
     "UserInputError": ("rlhflab.errors", "UserInputError"),

@@ -10,9 +10,10 @@
     print(result.summary["validation_reward"], result.model_dir)
 """
 
-from rlhflab.api.commands import compare, diagnose, evaluate, report
+from rlhflab.api.commands import compare_methods, diagnose, evaluate, write_report
 from rlhflab.api.trainers import (DPOTrainer, GRPOTrainer, OnlineDPOTrainer, PPOTrainer, ReinforceTrainer,
                                   RewardTrainer, RLOOTrainer, SFTTrainer, Trainer, run_stage)
 
 __all__ = ["DPOTrainer", "GRPOTrainer", "OnlineDPOTrainer", "PPOTrainer", "RLOOTrainer", "ReinforceTrainer",
-           "RewardTrainer", "SFTTrainer", "Trainer", "compare", "diagnose", "evaluate", "report", "run_stage"]
+           "RewardTrainer", "SFTTrainer", "Trainer", "compare_methods", "diagnose", "evaluate", "run_stage",
+           "write_report"]
