@@ -161,3 +161,19 @@ def test_sft_from_a_list_of_dicts_with_callbacks_on_its_validation(in_memory, tm
     assert [s for s, _ in seen.evaluations] == [2, 4] and seen.logs.count(3) == 1
     assert result.summary["validation"]["val/loss"] == seen.evaluations[-1][1]
     assert (result.run_dir / "inputs" / "train.jsonl").read_text().count("\n") == 8
+
+
+def test_the_readme_python_example_runs_as_written(in_memory, tmp_path, monkeypatch, capsys):
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = readme.split("## Python API", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    model, tokenizer, _, _ = in_memory
+    models.save_model_folder(tmp_path / "runs" / "sft" / "model", model, tokenizer)
+    monkeypatch.chdir(tmp_path)
+    small = "total_episodes=8, batch_size=4, num_generations=2, response_length=4, max_new_tokens=4, eval_prompts=4, " \
+            "eval_every=0, progress=False, write_report=False, threads=2, "
+    assert "GRPOConfig(total_episodes=1024, " in block  # the one setting made small here
+    exec(block.replace("GRPOConfig(total_episodes=1024, ", f"GRPOConfig({small}"), {})
+    printed = capsys.readouterr().out
+    assert "'start':" in printed and str(Path("runs/grpo/model")) in printed
