@@ -67,6 +67,30 @@ def test_shared_prompt_logits_and_gradients_equal_the_plain_forward(arch, prompt
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)  # sums over answers reordered; grads are ~1e2
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_one_answer_per_prompt_packs_without_padding_and_equals_the_plain_forward(arch):
+    """k = 1 (REINFORCE, a batch of distinct prompts): `every=True` groups each row alone, packed back to back;
+    the logits equal the padded forward's, the padding is gone, and the rows' order changes no bit."""
+    model, out = tiny_rollout(arch, group=1, prompts=8)
+    model.train(True)
+    models.disable_dropout(model)
+    plan = models.plan_lean(model, allow_training=True)
+    assert models.distinct_prompts(out.query_ids, out.query_mask) is None
+    groups = models.distinct_prompts(out.query_ids, out.query_mask, every=True)
+    assert sorted(groups[0].tolist()) == list(range(8)) and sorted(groups[1].tolist()) == list(range(8))
+    mask = out.response_mask
+    plain = joined_logits(plan, out)
+    packed = models.shared_prompt_logits(plan, out.query_ids, out.query_mask, out.response_ids, mask, *groups)
+    torch.testing.assert_close(packed.head(packed.hidden)[mask], plain[mask], rtol=0, atol=1e-5)
+    rows = models.shared_prompt.answer_rows(out.query_ids, out.query_mask, out.response_ids, mask, *groups, 0)
+    real = int(out.query_mask.sum() + mask.sum())
+    assert int((rows.input_ids != 0).sum()) == real < out.query_ids.numel() + mask.numel()  # padded rows: more
+    shuffled = torch.randperm(8, generator=torch.Generator().manual_seed(0))
+    parts = [t[shuffled] for t in (out.query_ids, out.query_mask, out.response_ids, mask)]
+    again = models.shared_prompt_logits(plan, *parts, *models.distinct_prompts(*parts[:2], every=True))
+    assert torch.equal(again.hidden[torch.argsort(shuffled)], packed.hidden)
+
+
 def test_generation_prefills_each_prompt_once_and_samples_each_answer_on_its_own():
     model, out = tiny_rollout("llama")
     responses = out.response_ids.view(3, 4, -1)

@@ -34,12 +34,14 @@ from rlhflab.models.prompt_pass import packed_groups
 from rlhflab.models.token_head import HeadInputs
 
 
-def distinct_prompts(query_ids: Tensor, query_mask: Tensor) -> tuple[Tensor, Tensor] | None:
+def distinct_prompts(query_ids: Tensor, query_mask: Tensor, every: bool = False) -> tuple[Tensor, Tensor] | None:
     """(first row of each distinct prompt (N,), each row's prompt number (B,)), or None when no prompt
-    repeats (then there is nothing to share)."""
+    repeats (then there is nothing to share) unless `every`: then groups of one answer each, whose packed rows
+    hold no padding but a row's tail (k = 1 rollouts; numbered in the same sorted order, so the layout
+    depends on which rows a batch holds, not their order)."""
     keyed = torch.cat([query_ids, query_mask.long()], dim=1)
     unique, inverse = torch.unique(keyed, dim=0, return_inverse=True)
-    if unique.shape[0] == keyed.shape[0]:
+    if unique.shape[0] == keyed.shape[0] and not every:
         return None
     first = torch.full((unique.shape[0],), keyed.shape[0], dtype=torch.long, device=keyed.device)
     first = first.scatter_reduce(0, inverse, torch.arange(keyed.shape[0], device=keyed.device), "amin")

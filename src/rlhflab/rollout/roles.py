@@ -160,12 +160,15 @@ class PolicyRoles:
         return out.logits, out.hidden_states[-1][:, -keep:] if hidden else None
 
     def _response_logits(self, model, query_ids, query_mask, response_ids, response_mask) -> Tensor | models.HeadInputs:
-        """What predicts each response token ((B, T) positions; see `_lm`). Without a critic a batch that
-        repeats prompts (k answers each) runs each distinct prompt once (models/shared_prompt.py); with one,
-        policy and reference keep the same joined-row forward, so KL == 0 at the start stays exact."""
+        """What predicts each response token ((B, T) positions; see `_lm`). Without a critic the rows are packed
+        back to back with no padding (models/shared_prompt.py), a batch that repeats prompts (k answers each)
+        running each distinct prompt once: on the demo's rollouts (a third of a padded row is padding) a k = 1
+        forward + backward of the trunk took 97 ms packed against 114 padded, and as long with no padding at
+        all (113 against 112; 1 thread, 64 rows). With a critic, policy and reference keep the same joined-row
+        forward, so KL == 0 at the start stays exact."""
         plan = models.plan_lean(model, allow_training=True) if self.lean else None
         if self.value_mode == "none" and plan is not None and plan.lm_head is not None:
-            groups = models.distinct_prompts(query_ids, query_mask)
+            groups = models.distinct_prompts(query_ids, query_mask, every=True)
             if groups is not None and bool(query_mask.any(dim=1).all()):  # an empty prompt has no last token
                 return models.shared_prompt_logits(plan, query_ids, query_mask, response_ids, response_mask, *groups)
         input_ids, attention, positions = joined(query_ids, query_mask, response_ids, response_mask)
