@@ -51,6 +51,25 @@ log = logging.getLogger("rlhflab")
 STRATEGIES = ("auto", "ddp", "fsdp2", "deepspeed")
 
 
+class _DeepSpeedCpuNotice(logging.Filter):
+    """Drops DeepSpeed's "Setting accelerator to CPU" warning until `parallel_strategy deepspeed` is in use.
+
+    Without DeepSpeed in the run it still printed on every CPU run that saved a model: transformers'
+    `save_pretrained` unwraps the model through accelerate's `extract_model_from_parallel`, which imports deepspeed
+    whenever it is installed (to test `isinstance(model, DeepSpeedEngine)`), and DeepSpeed picks its accelerator at
+    import, warning when it finds no GPU (issue 32 item 5). The filter goes on the "DeepSpeed" logger before
+    deepspeed exists: its LoggerFactory resets that logger's level and handler at import, but keeps its filters."""
+
+    deepspeed_in_use = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.deepspeed_in_use or not record.getMessage().startswith("Setting accelerator to CPU")
+
+
+DEEPSPEED_CPU_NOTICE = _DeepSpeedCpuNotice()
+logging.getLogger("DeepSpeed").addFilter(DEEPSPEED_CPU_NOTICE)
+
+
 @dataclass(frozen=True)
 class Layout:
     """How a run's processes hold the trained model: what a checkpoint records and a resume must match."""
@@ -324,6 +343,7 @@ def _deepspeed(model: nn.Module, world: World, layout: Layout, every_rank: bool 
     from rlhflab.parallel import deepspeed_engine
 
     require_deepspeed()
+    DEEPSPEED_CPU_NOTICE.deepspeed_in_use = True  # DeepSpeed on a CPU is worth its warning
     deepspeed_engine.check_launch_settings()
     stage = deepspeed_engine.zero_stage()
     plain = None
