@@ -53,7 +53,7 @@ stages:
   compare        --model SFT_DIR --methods ppo,grpo,dpo [--budget episodes=N|seconds=S]: each method from the same
                  model, prompts, seed and budget; the same test and KL; DIR/report.html side by side
 
-`rlhflab <stage> --help` lists every field with its default and help.
+`rlhflab <stage> --help` lists every field with its default and help; `rlhflab --version` prints the version.
 """
 
 
@@ -341,10 +341,25 @@ def leave_process_group(code: int) -> None:
         sys.modules["rlhflab.parallel"].shutdown_world(finished=code == 0)
 
 
+def version() -> str:
+    """The installed distribution's version; the package's own `__version__` when run from a source tree."""
+    from importlib.metadata import PackageNotFoundError, version as installed_version
+
+    try:
+        return installed_version("rlhflab")
+    except PackageNotFoundError:
+        from rlhflab import __version__
+
+        return __version__
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
+        return 0
+    if argv[0] in ("-V", "--version"):
+        print(f"rlhflab {version()}")
         return 0
     rank, world_size = launched_rank()
     name = f"rlhflab[rank {rank}]" if world_size > 1 else "rlhflab"  # whose message it is, under torchrun

@@ -214,6 +214,22 @@ def test_unknown_stage_suggests_the_closest(capsys):
     assert "did you mean 'demo'" in capsys.readouterr().err
 
 
+def test_version_is_the_installed_one_and_the_package_s_own(monkeypatch, capsys):
+    import importlib.metadata
+
+    from rlhflab import __version__
+
+    proc = rlhflab("--version")
+    assert proc.returncode == 0 and proc.stdout == f"rlhflab {importlib.metadata.version('rlhflab')}\n"
+    assert proc.stdout == f"rlhflab {__version__}\n"  # pyproject.toml and __init__ agree
+
+    def not_installed(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", not_installed)  # a source tree on PYTHONPATH
+    assert main(["-V"]) == 0 and capsys.readouterr().out == f"rlhflab {__version__}\n"
+
+
 def test_stage_help_lists_fields_with_defaults():
     proc = rlhflab("sft", "--help")
     assert proc.returncode == 0
