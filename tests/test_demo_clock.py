@@ -62,3 +62,21 @@ def test_sft_and_the_rm_take_two_processes_only_on_a_cpu_with_every_core_of_at_l
     assert demo.stage_processes(DemoConfig(threads=0, device="cpu", stage_processes=3)) == 3  # as asked
     monkeypatch.setattr(demo, "cores", lambda: 1)
     assert demo.stage_processes(DemoConfig(threads=0, device="cpu")) == 1
+
+
+def test_the_split_shows_a_stage_run_beside_the_others_with_its_own_seconds_and_its_wait():
+    from rlhflab.demo.clock import describe_clock
+
+    wall = {"setup": 2.0, "sft": 100.4, "rm": 50.0, "test_eval": 10.0, "headroom": 5.0, "rm_diagnosis": 20.0,
+            "ppo_rm": 300.0, "ppo": 0.2, "total": 487.6}
+    summary = {"wall_time_s": wall, "cpu_time_s": {"total": 900.0}, "load_average_1min": {"start": 1.9, "end": 2.04},
+               "side_by_side": {"ppo": 412.3}, "stage_processes": 2}
+    split, processes = describe_clock(summary)
+    assert split == ("  sft 100 s, rm 50 s, test_eval 10 s, headroom 5 s, rm_diagnosis 20 s, ppo_rm 300 s, ppo 412 s "
+                     "beside rm_diagnosis and ppo_rm (0 s waited after them; RUN/ppo.log); CPU 900 s; load average "
+                     "1.9 -> 2.0")
+    assert "2 processes" in processes
+    alone = describe_clock({**summary, "side_by_side": {}, "stage_processes": 1,
+                            "wall_time_s": {**wall, "ppo": 412.3}})  # one thread: the PPO ran in this process
+    assert alone == ["  sft 100 s, rm 50 s, test_eval 10 s, headroom 5 s, rm_diagnosis 20 s, ppo_rm 300 s, ppo 412 s; "
+                     "CPU 900 s; load average 1.9 -> 2.0"]

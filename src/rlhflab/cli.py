@@ -74,6 +74,7 @@ def print_report(run_dir: Path, cfg) -> None:
 
 def run_demo(cfg) -> int:
     from rlhflab.compare import format_compare_table, run_demo_with_comparison as demo
+    from rlhflab.demo.clock import describe_clock
     from rlhflab.eval import format_table
     from rlhflab.eval.pass_rate import CELL, describe_versus
 
@@ -104,21 +105,8 @@ def run_demo(cfg) -> int:
         print(format_compare_table(json.loads((compared / "summary.json").read_text())))
         print("\n".join(summary["compare"]["verdict"]))
     print(f"\nrun folder: {result.run_dir}   wall time: {summary['wall_time_s']['total']:.0f} s")
-    parts = {k: v for k, v in summary["wall_time_s"].items() if k not in ("total", "setup")}
-    if summary.get("cpu_time_s"):  # the demo's clock split; CPU seconds and load say how busy the machine was
-        load = summary.get("load_average_1min") or {}
-        print("  " + ", ".join(f"{k} {v:.0f}" for k, v in parts.items()) + f" s; CPU {summary['cpu_time_s']['total']:.0f}"
-              f" s; load average {load.get('start', float('nan')):.1f} -> {load.get('end', float('nan')):.1f}")
-    if summary.get("matmul_gflops"):  # the cores' own speed: the same demo takes longer on a slower hour
-        speed = summary["matmul_gflops"]
-        print(f"  one core's speed (a fixed matmul, demo/clock.py): {speed['start']:.0f} GFLOP/s at the start, "
-              f"{speed['end']:.0f} at the end")
-    if summary.get("side_by_side"):  # "ppo" above is only the wait after the RM's stages
-        print(f"  the checker's PPO ran in a second process beside rm_diagnosis and ppo_rm: "
-              f"{summary['side_by_side']['ppo']:.0f} s of its own (RUN/ppo.log)")
-    if summary.get("stage_processes", 1) > 1:
-        print(f"  SFT and the reward model trained in {summary['stage_processes']} processes (torchrun, DDP, one thread "
-              "each, one launch; RUN/sft.log)")
+    for line in describe_clock(summary):  # the demo's clock split, a stage run beside the others with its own seconds
+        print(line)
     print_report(result.run_dir, cfg)
     return 0
 

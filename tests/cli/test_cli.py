@@ -67,6 +67,9 @@ def test_demo_prints_the_pass_rate_table_and_writes_a_full_run_folder(demo_run):
         assert "step" in json.loads(line)
     versions = json.loads((out / "versions.json").read_text())
     assert {"python", "torch", "transformers", "peft", "rlhflab", "platform", "cpu"} <= set(versions)
+    # saving a model imports deepspeed (through accelerate); its CPU accelerator warning is not DeepSpeed in use
+    for log in (proc.stdout, proc.stderr, *(p.read_text() for p in out.glob("*.log"))):
+        assert "Setting accelerator to CPU" not in log
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="stages run side by side only on >= 2 cores")
@@ -79,6 +82,7 @@ def test_the_checker_ppo_ran_beside_as_configured_and_gives_the_same_model_as_he
     out, proc = demo_run
     summary = json.loads((out / "summary.json").read_text())
     assert summary["side_by_side"]["ppo"] > 0 and summary["cpu_time_s"]["ppo"] > 0  # the child's CPU is counted
+    assert f"ppo {summary['side_by_side']['ppo']:.0f} s beside rm_diagnosis and ppo_rm (" in proc.stdout  # own seconds
     assert "val/pass_rate" in (out / "ppo" / "metrics.jsonl").read_text() and (out / "ppo.log").is_file()
     fields = read_yaml_config(str(out / "ppo.yaml"), PPOConfig)
     assert fields["threads"] == 1 and fields["value_mode"] == "separate" and fields["output_dir"] == str(out / "ppo")
@@ -114,6 +118,8 @@ def test_demo_with_one_thread_runs_the_checker_ppo_in_this_process(tmp_path):
     assert proc.returncode == 0, proc.stderr
     summary = json.loads((out / "summary.json").read_text())
     assert set(summary["test_pass_rate"]) == {"sft", "ppo"} and summary["side_by_side"] == {}
+    assert f"ppo {summary['wall_time_s']['ppo']:.0f} s; CPU" in proc.stdout  # ran here: its part of the split
+    assert "Setting accelerator to CPU" not in proc.stdout + proc.stderr  # SFT and PPO saved models in this process
     assert not (out / "ppo.log").exists() and (out / "ppo" / "model" / "model.safetensors").is_file()
     assert summary["stage_processes"] == 1 and not (out / "sft.log").exists()  # one thread asked: SFT ran here
 

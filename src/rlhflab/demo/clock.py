@@ -74,3 +74,28 @@ class StageClock:
                 "cpu_time_s": rounded(self.cpu, total_cpu + self.elsewhere_cpu),
                 "load_average_1min": {"start": round(self.load_start, 2), "end": round(os.getloadavg()[0], 2)},
                 "matmul_gflops": {"start": round(self.speed_start, 1), "end": round(matmul_speed(), 1)}}
+
+
+def describe_clock(summary: dict) -> list[str]:
+    """The end of the demo's output: each part's wall seconds, CPU seconds, load and the cores' speed. A stage run
+    beside the others (side_by_side: the checker's PPO in a second process) shows its own seconds, where it ran, and
+    the wait for it after the stages it ran beside (its part of wall_time_s: often 0, which alone read as 'ppo took
+    no time')."""
+    beside = summary.get("side_by_side") or {}
+    parts = {k: v for k, v in summary["wall_time_s"].items() if k not in ("total", "setup")}
+    others = [k for k in parts if k in ("rm_diagnosis", "ppo_rm")] or ["the reward model's stages"]
+    split = [f"{k} {beside[k]:.0f} s beside {' and '.join(others)} ({v:.0f} s waited after them; RUN/{k}.log)"
+             if k in beside else f"{k} {v:.0f} s" for k, v in parts.items()]
+    lines = []
+    if summary.get("cpu_time_s"):  # CPU seconds and load say how busy the machine was
+        load = summary.get("load_average_1min") or {}
+        lines.append("  " + ", ".join(split) + f"; CPU {summary['cpu_time_s']['total']:.0f} s; load average "
+                     f"{load.get('start', float('nan')):.1f} -> {load.get('end', float('nan')):.1f}")
+    if summary.get("matmul_gflops"):  # the cores' own speed: the same demo takes longer on a slower hour
+        speed = summary["matmul_gflops"]
+        lines.append(f"  one core's speed (a fixed matmul, demo/clock.py): {speed['start']:.0f} GFLOP/s at the start, "
+                     f"{speed['end']:.0f} at the end")
+    if summary.get("stage_processes", 1) > 1:
+        lines.append(f"  SFT and the reward model trained in {summary['stage_processes']} processes (torchrun, DDP, "
+                     "one thread each, one launch; RUN/sft.log)")
+    return lines
