@@ -177,6 +177,13 @@ def test_family_table_and_reproduction_facts(ppo_run, section_of):
     assert "42" in wall and re.search(r"training</th><td[^>]*>12</td><td[^>]*>57%", wall)  # 6 x 2.0 s of 21 s
 
 
+def test_a_stage_run_beside_the_others_has_its_own_seconds_under_the_split(make_run, tmp_path, section_of):
+    summary = {"stage": "demo", "wall_time_s": {"sft": 100.0, "ppo_rm": 300.0, "ppo": 0.2, "total": 400.2},
+               "side_by_side": {"ppo": 412.3}}  # the demo's: its ppo row is the wait after the RM's stages
+    wall = section_of(write_report(make_run(tmp_path / "demo", summary=summary)).read_text(), "Wall time")
+    assert "ppo ran in a second process beside the stages after it: 412 s of its own" in wall
+
+
 def test_alarms_are_listed_and_marked(make_run, tmp_path, metrics_rows, section_of, checked):
     rows = metrics_rows()
     rows[3]["alarm/entropy_collapse"] = 1.0  # step 3

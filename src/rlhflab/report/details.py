@@ -57,6 +57,10 @@ def wall_time_section(run: RunFolder) -> Markup | None:
         total = total_seconds(wall)
         rows = _split_rows(seconds, total) + ([["total", round(total, 1), "100%"]] if total else [])
         parts.append(table(["part", "seconds", "share"], rows, row_headers=True))
+    for name, own in (run.summary.get("side_by_side") or {}).items():  # the demo's checker PPO in a second process
+        if as_number(own) is not None:
+            parts.append(note(f"{name} ran in a second process beside the stages after it: {as_number(own):.0f} s of "
+                              f"its own; its row above is only the wait for it once they were done."))
     per_update = {k.removeprefix("time/"): sum(series(run.metrics, k).values) for k in TIME_KEYS}
     per_update = {k: v for k, v in per_update.items() if v > 0}
     if per_update:
