@@ -85,8 +85,9 @@ def test_reinforce_batch_mean_baseline_on_the_reward_to_go_by_hand(policy_dir):
     # baseline: the mean return (0.7 + 1.75) / 2 = 1.225
     torch.testing.assert_close(adv.advantages, torch.tensor([[-0.525, -0.475, -0.375], [0.525, 0.0, 0.0]]))
     assert adv.returns is None
-    assert adv.metrics["reward"] == pytest.approx(1.225) and adv.metrics["baseline"] == pytest.approx(1.225)
-    assert adv.metrics["reward_std"] == pytest.approx(math.sqrt(2) * 0.525)
+    assert adv.metrics["objective/rlhf_reward"] == adv.metrics["baseline"] == pytest.approx(1.225)  # the returns'
+    # reward, reward_std: the scores 1 and 2 before the KL penalty, as TRL's GRPO / RLOO log them (Bessel's std)
+    assert adv.metrics["reward"] == pytest.approx(1.5) and adv.metrics["reward_std"] == pytest.approx(math.sqrt(0.5))
 
 
 def test_reinforce_moving_average_baseline_uses_earlier_batches_only(policy_dir):

@@ -66,8 +66,11 @@ class REINFORCE(AlgorithmDefaults):
         advantages = torch.where(batch.mask, to_go - baseline.unsqueeze(1), torch.zeros_like(to_go))
         if self.cfg.normalize_advantages:
             advantages = whiten(advantages, batch.mask)
-        kept = returns[batch.valid]
-        metrics = {"reward": kept.mean().item(), "reward_std": kept.std().item() if kept.numel() > 1 else 0.0,
+        scores = batch.scores[batch.valid]
+        # reward / reward_std: TRL 1.16's GRPO / RLOO meaning (the scores before any KL penalty, their std over the
+        # rollout: grpo_trainer.py:2828-2829); the return the baseline sees, score - kl_coef x KL, is TRL's PPO name
+        metrics = {"reward": scores.mean().item(), "reward_std": scores.std().item() if scores.numel() > 1 else 0.0,
+                   "objective/rlhf_reward": returns[batch.valid].mean().item(),
                    "baseline": baseline[batch.valid].mean().item()}
         return Advantages(advantages, None, metrics)
 
