@@ -85,7 +85,8 @@ def restore_rng(state: dict, generators: dict[str, torch.Generator] | None = Non
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
     for name, g in (generators or {}).items():
-        g.set_state(state["generators"][name])
+        if name in state["generators"]:  # a generator added since the checkpoint was written keeps its seed
+            g.set_state(state["generators"][name])
 
 
 # --- weights ----------------------------------------------------------------------------

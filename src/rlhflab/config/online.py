@@ -44,12 +44,20 @@ class OnlineFields(ParallelFields, MonitorFields, CheckpointFields, RunFields, M
         "auto", "importance weights trainer / sampler probability on each token's policy-gradient term (TRL's "
                 "vllm_importance_sampling_mode): per token or per response, clamped to [sampler_correction_min, "
                 "sampler_correction_max] (truncate) or dropped outside it (mask); none = off; auto = token_truncate "
-                "with vllm, none with lean and hf (they agree with the trainer to ~1e-7 in float32: sampler/* metrics)")
+                "with vllm or async_generation, none with lean and hf (they agree with the trainer to ~1e-7 in "
+                "float32: sampler/* metrics)")
     sampler_correction_min: float = arg(0.0, "lower bound of the sampler-correction weights")
     sampler_correction_max: float = arg(3.0, "upper bound of the sampler-correction weights (TRL: 3.0)")
     mmap_threshold_mib: int = arg(
         0, "CPU memory (glibc): allocations of at least this many MiB are mmapped and handed back to the OS when "
            "freed, which lowers peak RSS for big models (1 at ~25M parameters, 4 at 0.5B); 0 = malloc's default")
+    async_generation: bool = arg(
+        False, "sample the next rollouts in a second process while this one trains, with weights at most "
+               "--max_staleness updates old (README \"Asynchronous generation\"); one process only, lean / hf backends")
+    max_staleness: int = arg(1, "async_generation: a rollout trained in update u was sampled with the weights of "
+                                "update u - 1 - max_staleness (0 = the synchronous loop's, in another process)")
+    generator_threads: int = arg(1, "async_generation: torch CPU threads of the generating process (the trainer "
+                                    "keeps --threads; 0 there = the cores left)")
     # the cycle
     total_episodes: int = arg(3840, "responses generated over the run")
     max_seconds: float = arg(0.0, "stop after this many seconds of the run's cycle (updates and evaluations, not "

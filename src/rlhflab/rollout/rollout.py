@@ -50,6 +50,7 @@ def collect_rollout(
     keep_graph: bool = False,
     place: BatchPlace | None = None,
     response_width: Callable[[int], int] | None = None,
+    sampled: tuple[Generated, float] | None = None,
 ) -> Rollout:
     """Generate responses, then recompute old log-probs and values with one forward pass.
 
@@ -65,12 +66,18 @@ def collect_rollout(
     Several processes (each with its part of a global batch): `place` says where `prompts` sit in it
     (sampling noise, prompt padding), and `response_width(T)` the width every process pads its responses
     to (the global batch's longest), so each row's tensors are the ones a single process would hold.
+
+    `sampled`: the responses another process already sampled (rollout/async_generator.py) and the seconds
+    this one waited for them; `prompts` and the sampling settings are then not used.
     """
     roles.train(False)
     started = time.time()
-    with roles.sampler() as policy, generation_autocast(policy, roles.precision.autocast):
-        out = generate_with(policy, prompts, pad_id=pad_id, eos_id=eos_id, settings=settings, generator=generator,
-                            place=place)
+    if sampled is not None:
+        out, started = sampled[0], started - sampled[1]
+    else:
+        with roles.sampler() as policy, generation_autocast(policy, roles.precision.autocast):
+            out = generate_with(policy, prompts, pad_id=pad_id, eos_id=eos_id, settings=settings,
+                                generator=generator, place=place)
     if place is not None or response_width is not None:
         out = widened(out, place.prompt_width if place is not None else 0,
                       response_width(out.response_ids.shape[1]) if response_width is not None else 0, pad_id)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import os
 import time
 
 import torch
@@ -42,6 +43,7 @@ from rlhflab.tracking import RunDir, RunResult
 from rlhflab.trainers.given import NOTHING, Given
 from rlhflab.trainers.headroom import record_start_headroom
 from rlhflab.trainers.online.algorithm import Algorithm, ScoredRollout
+from rlhflab.trainers.online.async_rollouts import PromptDraws, async_rollouts, check_async
 from rlhflab.trainers.online.evaluate import Evaluator
 from rlhflab.trainers.online.monitor import Monitor, RunWatch
 from rlhflab.trainers.online.passes import (average_stats, micro_losses, rows_named, shuffled_rows,  # noqa: F401
@@ -53,7 +55,7 @@ from rlhflab.trainers.online.setup import (build_reward, build_roles, build_veri
                                            reward_kind, sampler_correction_mode)
 from rlhflab.trainers.online.state import Progress, pack_online, unpack_online
 from rlhflab.trainers.setup import configure_allocator, configure_threads, make_optimizer, make_scheduler
-from rlhflab.trainers.setup import seed_everything
+from rlhflab.trainers.setup import seed_everything, stream_seed
 
 log = logging.getLogger("rlhflab")
 
@@ -78,10 +80,11 @@ def score_rollout(rollout: Rollout, reward_fn, tokenizer, rows: list[PromptRow],
 
 def rollout_of_update(ranks: OnlineRanks, update: int, batch_ids: list[int], prompt_ids: list[list[int]],
                       train_rows: list[PromptRow], reward_fn, tokenizer, settings: GenerationSettings, cfg,
-                      group: int, keep_graph: bool):
+                      group: int, keep_graph: bool, sampled=None):
     """Steps 2-3 for the global batch `batch_ids` (one train-prompt index per answer): this rank generates and
     scores its share of the prompts, then every rank's rows are gathered. Returns the global rollout,
-    its (B,) scores and validity, and this rank's seconds of scoring."""
+    its (B,) scores and validity, and this rank's seconds of scoring. `sampled`: (responses, seconds waited)
+    the asynchronous generator delivered (one process)."""
     world = ranks.world
     share = parallel.share_of(len(batch_ids) // group, world)  # whole prompts: a group stays on one rank
     mine = [batch_ids[p * group + k] for p in share.positions[: share.real] for k in range(group)]
@@ -89,7 +92,7 @@ def rollout_of_update(ranks: OnlineRanks, update: int, batch_ids: list[int], pro
     rollout = collect_rollout(ranks.roles, [prompt_ids[i] for i in mine], pad_id=tokenizer.pad_token_id,
                               eos_id=tokenizer.eos_token_id, settings=settings,
                               generator=rollout_generator(cfg.seed, update, ranks.device), keep_graph=keep_graph,
-                              place=place, response_width=world.max if world.distributed else None)
+                              place=place, response_width=world.max if world.distributed else None, sampled=sampled)
     t1 = time.time()
     scores, valid = score_rollout(rollout, reward_fn, tokenizer, [train_rows[i] for i in mine],
                                   cfg.missing_eos_penalty, updates_done=update - 1)
@@ -104,11 +107,14 @@ def scored_batch(rollout: Rollout, scores, valid, group_size: int) -> ScoredRoll
     return ScoredRollout(rollout, scores, valid, mask, kl, group_size)
 
 
-def with_sampler_weights(batch: ScoredRollout, cfg, policy_gradient: bool = True) -> ScoredRollout:
+def with_sampler_weights(batch: ScoredRollout, cfg, policy_gradient: bool = True, fresh: bool = False) -> ScoredRollout:
     """`batch` with the --sampler_correction weights of its tokens (trainer's old log-probs against the
     sampler's), or as it is when the correction is off or the algorithm has no policy-gradient term to weight
-    (`policy_gradient` False: online DPO). A sampler that reported no log-probs is warned about once."""
-    rollout, mode = batch.rollout, sampler_correction_mode(cfg)
+    (`policy_gradient` False: online DPO). A sampler that reported no log-probs is warned about once. `fresh`:
+    sampled by the asynchronous generator with the trainer's own weights (staleness 0), which `auto` corrects
+    no more than this process's own sampler (the synchronous loop's update, bit for bit)."""
+    rollout = batch.rollout
+    mode = "none" if fresh and cfg.sampler_correction == "auto" else sampler_correction_mode(cfg)
     if mode == "none" or not policy_gradient:
         return batch
     if rollout.sampler_logprobs is None:
@@ -174,13 +180,11 @@ def sampler_metrics(rollout) -> dict:
             "sampler/kl": gap.sum(dim=1).mean().item()}
 
 
-def draw_prompts(order: list[int], count: int, group: int, generator, num_rows: int) -> tuple[list[int], list[int]]:
-    """Step 1: the next `count` prompts of shuffled passes over the train split, each repeated `group` times
-    (contiguous); returns the batch's prompt indices and the order left."""
-    while len(order) < count:
-        order.extend(torch.randperm(num_rows, generator=generator).tolist())
-    picked, order = order[:count], order[count:]
-    return [i for i in picked for _ in range(group)], order
+def trainer_threads(cfg) -> int:
+    """--threads, with 0 (all cores) leaving --generator_threads to an asynchronous generator."""
+    if cfg.threads or not cfg.async_generation:
+        return cfg.threads
+    return max(1, (os.cpu_count() or 1) - cfg.generator_threads)
 
 
 def train_online(cfg, algorithm: Algorithm, run: RunDir | None = None, reward_fn=None,
@@ -200,9 +204,10 @@ def train_online(cfg, algorithm: Algorithm, run: RunDir | None = None, reward_fn
     world = parallel.init_world(cfg.device)
     check_online_config(cfg, algorithm.epochs, algorithm.samples_per_prompt)
     check_world(cfg, algorithm.samples_per_prompt, algorithm.whole_groups, world)
+    check_async(cfg, getattr(cfg, "value_mode", "none") if algorithm.critic else "none", world.distributed)
     # before any model is loaded: what the device cannot do is refused here (models/precision.py)
     precision = precision_from_config(cfg, world.device, parallel.resolve_strategy(cfg.parallel_strategy, world))
-    configure_threads(world.threads(cfg.threads))
+    configure_threads(world.threads(trainer_threads(cfg)))
     models.configure_logits_chunks(cfg.logits_chunk_mib)
     configure_allocator(cfg.mmap_threshold_mib)
     seed_everything(cfg.seed, cfg.deterministic)
@@ -242,7 +247,10 @@ def train_online(cfg, algorithm: Algorithm, run: RunDir | None = None, reward_fn
     watch = RunWatch(monitor, run, roles, cfg.keep_best, signal)
     # where the watch may copy or restore the best policy, ZeRO-3's partitions are gathered whole (every rank)
     best_policy_whole = lambda: ranks.trained.whole_parameters(enabled=watch.best is not None)  # noqa: E731
-    generators = {"order": generator}  # token sampling: a generator of its own per update (ranks.rollout_generator)
+    # prompt order apart from the minibatch shuffles (the same prompts however early they are drawn: async runs
+    # draw ahead); token sampling: a generator of its own per update (ranks.rollout_generator)
+    prompt_order = torch.Generator().manual_seed(stream_seed("rlhflab-prompt-order", cfg.seed))
+    generators = {"order": generator, "prompts": prompt_order}
 
     def evaluate(update: int, episode: int) -> dict:
         """The held-out evaluation, by rank 0 on the whole policy, sampling as rollouts do; its numbers on every rank."""
@@ -269,26 +277,38 @@ def train_online(cfg, algorithm: Algorithm, run: RunDir | None = None, reward_fn
     first, last_eval, last, order = progress.first, progress.last_eval, progress.last, progress.order
     done, episode, finished, skipped = progress.update, progress.episode, progress.finished, progress.skipped
     budget_stop = progress.budget_stop
+    draws = PromptDraws(order, prompt_order, cfg.batch_size // group, group, len(train_rows))
     pack = lambda: pack_online(roles, optimizer, scheduler, algorithm, generators, Progress(  # noqa: E731
-        done, episode, order, first, last_eval, last, finished, skipped, dict(walls), budget_stop),
-        watch, sharded=ranks.sharded)  # reads the loop's variables
+        done, episode, draws.order, first, last_eval, last, finished, skipped, dict(walls), budget_stop,
+        ahead.in_flight() if ahead is not None else []), watch, sharded=ranks.sharded)  # reads the loop's variables
     start = num_updates if finished else done
     resumed_at = resumed.step if resumed is not None else None  # that checkpoint is on disk already
-    with checkpointer(run, cfg, resumed_at, ranks, optimizer) as saver:  # SIGINT / SIGTERM handlers
+    with checkpointer(run, cfg, resumed_at, ranks, optimizer) as saver, async_rollouts(  # SIGINT / SIGTERM handlers
+            cfg, roles, tokenizer, settings, draws, prompt_ids, start, num_updates, progress.in_flight) as ahead:
         bar = tqdm(range(start + 1, num_updates + 1), desc=algorithm.name, unit="update",
                    disable=not (cfg.progress and world.is_main))
         for update in bar:
             t0 = time.time()
-            # 1. prompts, each asked `group` times (the global batch: the same on every rank)
-            batch_ids, order = draw_prompts(order, cfg.batch_size // group, group, generator, len(train_rows))
+            # 1. prompts, each asked `group` times (the global batch: the same on every rank); asynchronous: the
+            # prompts drawn when the rollout was asked for, and what the generator sampled for them
+            sampled, staleness, async_metrics = None, 0, {}
+            if ahead is None:
+                batch_ids = draws.next()
+            else:
+                batch_ids, delivered, waited = ahead.take(update)
+                sampled, staleness = (delivered.generated, waited), update - 1 - delivered.version
+                async_metrics = {"async/staleness": staleness, "async/wait_s": waited,
+                                 "async/generator_s": delivered.seconds}
             # 2. rollout: generate, then old / reference log-probs (and values) in one pass each
             # 3. scores, with the missing-EOS penalty; rows the reward failed on are masked out
             rollout, scores, valid, scoring = rollout_of_update(ranks, update, batch_ids, prompt_ids, train_rows,
-                                                                reward_fn, tokenizer, settings, cfg, group, keep_graph)
+                                                                reward_fn, tokenizer, settings, cfg, group, keep_graph,
+                                                                sampled)
             t1 = time.time() - scoring
             if not valid.any():
                 raise FloatingPointError(f"update {update}: the reward source failed on every row of the batch")
-            batch = with_sampler_weights(scored_batch(rollout, scores, valid, group), cfg, algorithm.policy_gradient)
+            batch = with_sampler_weights(scored_batch(rollout, scores, valid, group), cfg, algorithm.policy_gradient,
+                                         fresh=ahead is not None and staleness == 0)
             # 4. the algorithm's advantages
             adv = algorithm.advantages(batch)
             bad_rows = (~torch.isfinite(adv.advantages)).any(dim=1)
@@ -307,6 +327,8 @@ def train_online(cfg, algorithm: Algorithm, run: RunDir | None = None, reward_fn
                 algorithm, roles, optimizer, scheduler, batch, adv, cfg, generator, update, batch_ids,
                 ranks.trained if world.distributed else None)
             skipped += stats.pop("skipped")
+            if ahead is not None:  # the new weights to the generator, and the next rollout they allow asked for
+                ahead.after_update(roles, update)
             t3 = time.time()
             # 6. the algorithm's state, metrics, periodic evaluation
             algorithm.after_update(batch)
@@ -320,6 +342,7 @@ def train_online(cfg, algorithm: Algorithm, run: RunDir | None = None, reward_fn
                 "time/scoring": rollout.seconds["forward"] + (t2 - t1), "time/training": t3 - t2,
                 **({"nonfinite/skipped_updates": skipped} if cfg.nonfinite == "skip" else {}),
                 **precision.metrics(),  # fp16: amp/scale, amp/skipped_steps
+                **async_metrics,
             }
             run.log(last, step=update)
             watch.observe(update, last)

@@ -67,11 +67,13 @@ def check_online_config(cfg: OnlineFields, epochs: int = 1, group: int = 1) -> N
 
 
 def sampler_correction_mode(cfg: OnlineFields) -> str:
-    """--sampler_correction with auto resolved: token_truncate where vLLM samples, none where the lean or HF
-    sampler does (the trainer's own arithmetic: nothing to correct)."""
+    """--sampler_correction with auto resolved: token_truncate where vLLM samples or an asynchronous generator
+    samples with older weights (the decoupled objective: the clipped ratio against the trainer's weights at the
+    rollout's start, times the truncated weight trainer / sampler), none where the lean or HF sampler of this
+    process does (the trainer's own arithmetic: nothing to correct)."""
     if cfg.sampler_correction != "auto":
         return cfg.sampler_correction
-    return "token_truncate" if cfg.generation_backend == "vllm" else "none"
+    return "token_truncate" if cfg.generation_backend == "vllm" or cfg.async_generation else "none"
 
 
 def check_sampler_correction(cfg: OnlineFields) -> None:

@@ -41,6 +41,7 @@ class Progress:
     skipped: int = 0  # optimiser steps dropped by nonfinite=skip so far
     walls: dict = field(default_factory=dict)  # seconds of the cycle so far ("loop", "evaluation", "save")
     budget_stop: dict | None = None  # where max_seconds stopped the run
+    in_flight: list = field(default_factory=list)  # [[update, prompt indices]] asked of an async generator, not trained
 
 
 def role_modules(roles: PolicyRoles) -> dict[str, torch.nn.Module]:

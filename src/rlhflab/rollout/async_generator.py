@@ -1,0 +1,180 @@
+"""Rollouts sampled in a second process while the trainer trains: `--async_generation --max_staleness k`.
+
+The generator process holds its own copy of the policy. The trainer asks for rollout u (its prompts) once the
+weights of update u - 1 - k are pushed, and trains update u on what comes back:
+
+    trainer   push v0 | ask 1..1+k | train 1 | push v1, ask 2+k | train 2 | push v2, ask 3+k | ...
+    generator         | sample 1 (v0), 2 (v0) ... | sample 2+k (v1) | sample 3+k (v2) | ...
+
+Rollout u is always sampled with the weights of update max(start, u - 1 - k), whatever the timing, so an async
+run is as reproducible as a synchronous one (the sampling noise is the update's own generator, as in the
+synchronous loop); k = 0 samples what the synchronous loop samples, in the other process. Weights travel
+through shared memory (torch.multiprocessing): k + 1 slots of the trainable tensors, version v in slot v mod
+(k + 1); the slot of v is next written by the push of v + k + 1, which comes after rollout v + k + 1, the last
+to read v, was delivered, so a slot is never read while it is written and neither side waits on the other but
+for a rollout not yet sampled. Only the trainable tensors travel (LoRA: the adapters); the frozen rest came
+with the model when the process started.
+
+The trainer scores the rollout with its own weights (old log-probs = the proximal policy, reference, values,
+advantages), and the sampler's log-probs travel with the tokens: the update's per-token importance weights
+trainer / sampler (trainers/online: --sampler_correction, token_truncate by default here) correct for the
+stale sampler, with weight 1 exactly when k = 0.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import queue
+import sys
+import time
+import types
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.multiprocessing as mp
+
+from rlhflab.models.precision import MixedPrecision
+from rlhflab.rollout.backends import HF, generate_with, generation_autocast, use_backend
+from rlhflab.rollout.generate import Generated, GenerationSettings
+
+log = logging.getLogger("rlhflab")
+POLL_S = 1.0  # how often a waiting trainer checks that the generator is still alive
+
+
+@dataclass(frozen=True)
+class GeneratorJob:
+    """What the generator process needs besides the policy: how to sample and with how many threads."""
+
+    settings: GenerationSettings
+    pad_id: int
+    eos_id: int
+    backend: str  # lean or hf
+    threads: int
+    autocast: str  # "no", "bf16", "fp16": the run's mixed precision (sampling runs in the training forward's)
+
+
+@dataclass(frozen=True)
+class Delivered:
+    """Rollout `update`'s sampled tokens, the weights' version they were sampled with and the seconds it took."""
+
+    update: int
+    version: int
+    generated: Generated
+    seconds: float
+
+
+def trainable_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p for name, p in model.named_parameters() if p.requires_grad}
+
+
+class AsyncGenerator:
+    """The trainer's side: start the process, push weights after each update, ask for rollouts, receive them."""
+
+    def __init__(self, policy: torch.nn.Module, job: GeneratorJob, max_staleness: int, start_version: int):
+        ctx = mp.get_context("spawn")
+        self.max_staleness, self.start = max_staleness, start_version
+        source = trainable_tensors(policy)
+        self.slots = [{name: t.detach().clone().share_memory_() for name, t in source.items()}
+                      for _ in range(max_staleness + 1)]
+        self.versions = ctx.Array("q", [-1] * (max_staleness + 1))
+        self.requests, self.results = ctx.Queue(), ctx.Queue()
+        clone = copy.deepcopy(policy).eval()
+        self.push(policy, start_version)
+        self.process = ctx.Process(target=serve, args=(clone, self.slots, self.versions, self.requests, self.results,
+                                                       job), daemon=True, name="rlhflab-generator")
+        with main_module_left_alone():
+            self.process.start()
+        self.received: dict[int, Delivered] = {}
+
+    def version_for(self, update: int) -> int:
+        """The weights rollout `update` is sampled with."""
+        return max(self.start, update - 1 - self.max_staleness)
+
+    def push(self, policy: torch.nn.Module, version: int) -> None:
+        """The trainer's weights after update `version` into their slot."""
+        slot = version % len(self.slots)
+        with torch.no_grad():
+            for name, tensor in trainable_tensors(policy).items():
+                self.slots[slot][name].copy_(tensor.detach())
+        self.versions[slot] = version
+
+    def ask(self, update: int, prompts: list[list[int]], seed: int) -> None:
+        """Sample rollout `update` for `prompts` (token ids) with the weights of `version_for(update)`, which must
+        have been pushed, drawing with a generator seeded `seed` (the update's own: trainers/online/ranks.py)."""
+        version = self.version_for(update)
+        if self.versions[version % len(self.slots)] != version:
+            raise RuntimeError(f"rollout {update} asked before the weights of update {version} were pushed")
+        self.requests.put((update, version, prompts, seed))
+
+    def receive(self, update: int) -> Delivered:
+        """Rollout `update`, waiting for it; a generator process that died ends the run with its exit code."""
+        while update not in self.received:
+            try:
+                delivered = self.results.get(timeout=POLL_S)
+            except queue.Empty:
+                if not self.process.is_alive():
+                    raise RuntimeError(f"the generator process ended (exit code {self.process.exitcode}) before "
+                                       f"rollout {update}: its error, if any, is printed above") from None
+                continue
+            if isinstance(delivered, BaseException):
+                raise RuntimeError(f"the generator process failed: {delivered!r}") from delivered
+            self.received[delivered.update] = delivered
+        return self.received.pop(update)
+
+    def close(self) -> None:
+        """Stop the process (rollouts asked for and not received are dropped)."""
+        if self.process.is_alive():
+            self.requests.put(None)
+            self.process.join(timeout=10)
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join(timeout=5)
+
+
+@contextmanager
+def main_module_left_alone() -> Iterator[None]:
+    """A spawned process runs the parent's main script again (as `__mp_main__`) before its target, which a script
+    without an `if __name__ == "__main__":` guard turns into a second training run. Everything the generator
+    needs is importable from rlhflab, so the main module is hidden from the start-up data while it is taken."""
+    main = sys.modules.get("__main__")
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        if main is not None:
+            sys.modules["__main__"] = main
+
+
+def serve(policy: torch.nn.Module, slots: list[dict[str, torch.Tensor]], versions, requests, results,
+          job: GeneratorJob) -> None:
+    """The generator process: sample each asked rollout with the weights it names, in order, until None."""
+    torch.set_num_threads(max(job.threads, 1))
+    if job.backend == "hf":
+        use_backend(policy, HF)
+    elif job.backend != "lean":
+        raise ValueError(f"async generation samples with the lean or hf backend, not {job.backend}")
+    device = next(policy.parameters()).device
+    autocast = MixedPrecision(job.autocast, device.type).autocast
+    loaded, params = -1, trainable_tensors(policy)
+    try:
+        while (request := requests.get()) is not None:
+            update, version, prompts, seed = request
+            started = time.perf_counter()
+            if version != loaded:
+                slot = version % len(slots)
+                if versions[slot] != version:
+                    raise RuntimeError(f"rollout {update}: slot {slot} holds update {versions[slot]}, not {version}")
+                with torch.no_grad():
+                    for name, tensor in params.items():
+                        tensor.copy_(slots[slot][name])
+                loaded = version
+            with torch.no_grad(), generation_autocast(policy, autocast):
+                out = generate_with(policy, prompts, pad_id=job.pad_id, eos_id=job.eos_id, settings=job.settings,
+                                    generator=torch.Generator(device=device).manual_seed(seed))
+            results.put(Delivered(update, version, out, time.perf_counter() - started))
+    except BaseException as err:  # the trainer raises it where it waits
+        results.put(RuntimeError(f"{type(err).__name__}: {err}"))
+        raise
