@@ -10,13 +10,14 @@ import os
 import re
 import subprocess
 import sys
-import sysconfig
 from pathlib import Path
+
+from bare_env import RLHFLAB, bare_python
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
 # what the GPU machine's python3 lacks (issue 31), and rlhflab's own installation (the script must not need it)
-ABSENT = ("datasets", "vllm", "deepspeed", "trl", "trackio", "playwright", "rlhflab", "__editable__")
+ABSENT = ("datasets", "vllm", "deepspeed", "trl", "trackio", "playwright", *RLHFLAB)
 
 
 def load_script(name: str = "gpu_check_cases"):
@@ -53,26 +54,8 @@ def test_byte_tokenizer_has_the_asked_vocabulary_and_one_token_per_byte():
     assert isinstance(tokenizer.decode(list(range(2, 600))), str)  # every id decodes
 
 
-def bare_python(folder: Path) -> Path:
-    """A fresh virtualenv that sees this one's packages but none of ABSENT: each kept top-level entry of this
-    environment's site-packages linked into one folder, which the new environment's only .pth file names (no
-    other .pth file is read there, so rlhflab's editable install is not either)."""
-    kept = folder / "site-packages"
-    kept.mkdir(parents=True)
-    paths = sysconfig.get_paths()
-    for site in dict.fromkeys(Path(paths[key]).resolve() for key in ("purelib", "platlib")):
-        for entry in site.iterdir():
-            if entry.suffix == ".pth" or entry.name.lower().startswith(ABSENT) or (kept / entry.name).exists():
-                continue
-            (kept / entry.name).symlink_to(entry)
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(folder / "venv")], check=True)
-    site = next((folder / "venv" / "lib").glob("python*/site-packages"))
-    (site / "kept.pth").write_text(f"{kept}\n")
-    return folder / "venv" / "bin" / "python"
-
-
 def test_the_dry_run_works_without_datasets_or_an_installed_rlhflab_and_writes_its_results(tmp_path):
-    python = bare_python(tmp_path / "env")
+    python = bare_python(tmp_path / "env", ABSENT)
     probe = subprocess.run([str(python), "-c", "import importlib.util as u; "
                             "print([m for m in ('datasets', 'rlhflab', 'torch', 'peft') if u.find_spec(m)])"],
                            capture_output=True, text=True, cwd=tmp_path)
