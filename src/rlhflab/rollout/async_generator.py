@@ -88,6 +88,9 @@ class AsyncGenerator:
         with main_module_left_alone():
             self.process.start()
         self.received: dict[int, Delivered] = {}
+        started = time.perf_counter()
+        self._next_result("starting")  # its imports and the model's copy: the run's set-up, not its first update
+        self.startup_s = time.perf_counter() - started
 
     def version_for(self, update: int) -> int:
         """The weights rollout `update` is sampled with."""
@@ -112,17 +115,23 @@ class AsyncGenerator:
     def receive(self, update: int) -> Delivered:
         """Rollout `update`, waiting for it; a generator process that died ends the run with its exit code."""
         while update not in self.received:
+            delivered = self._next_result(f"rollout {update}")
+            self.received[delivered.update] = delivered
+        return self.received.pop(update)
+
+    def _next_result(self, awaited: str):
+        """The process's next message, checking every POLL_S that it is still alive."""
+        while True:
             try:
-                delivered = self.results.get(timeout=POLL_S)
+                message = self.results.get(timeout=POLL_S)
             except queue.Empty:
                 if not self.process.is_alive():
                     raise RuntimeError(f"the generator process ended (exit code {self.process.exitcode}) before "
-                                       f"rollout {update}: its error, if any, is printed above") from None
+                                       f"{awaited}: its error, if any, is printed above") from None
                 continue
-            if isinstance(delivered, BaseException):
-                raise RuntimeError(f"the generator process failed: {delivered!r}") from delivered
-            self.received[delivered.update] = delivered
-        return self.received.pop(update)
+            if isinstance(message, BaseException):
+                raise RuntimeError(f"the generator process failed: {message!r}") from message
+            return message
 
     def close(self) -> None:
         """Stop the process (rollouts asked for and not received are dropped)."""
@@ -159,6 +168,7 @@ def serve(policy: torch.nn.Module, slots: list[dict[str, torch.Tensor]], version
     device = next(policy.parameters()).device
     autocast = MixedPrecision(job.autocast, device.type).autocast
     loaded, params = -1, trainable_tensors(policy)
+    results.put("ready")
     try:
         while (request := requests.get()) is not None:
             update, version, prompts, seed = request

@@ -285,6 +285,8 @@ def train_online(cfg, algorithm: Algorithm, run: RunDir | None = None, reward_fn
     resumed_at = resumed.step if resumed is not None else None  # that checkpoint is on disk already
     with checkpointer(run, cfg, resumed_at, ranks, optimizer) as saver, async_rollouts(  # SIGINT / SIGTERM handlers
             cfg, roles, tokenizer, settings, draws, prompt_ids, start, num_updates, progress.in_flight) as ahead:
+        if ahead is not None:  # the generator process's start (imports, the policy's copy): set-up, not an update
+            walls["setup"] += ahead.generator.startup_s
         bar = tqdm(range(start + 1, num_updates + 1), desc=algorithm.name, unit="update",
                    disable=not (cfg.progress and world.is_main))
         for update in bar:
