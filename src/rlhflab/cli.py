@@ -112,9 +112,9 @@ def run_demo(cfg) -> int:
 
 
 def run_sft(cfg) -> int:
-    from rlhflab.trainers import sft
+    from rlhflab.api import run_stage
 
-    result = sft.train(cfg)
+    result = run_stage("sft", cfg)
     validation = result.summary.get("validation", {})
     print(f"model: {result.model_dir}")
     print("validation: " + ", ".join(f"{k} {v:.3f}" for k, v in validation.items()))
@@ -158,9 +158,9 @@ def run_tasks_export(cfg) -> int:
 
 
 def run_rm(cfg) -> int:
-    from rlhflab.trainers import reward
+    from rlhflab.api import run_stage
 
-    result = reward.train(cfg)
+    result = run_stage("rm", cfg)
     for split, m in result.summary["pairs"].items():
         print(f"{split:>10}: pairwise accuracy {m['accuracy']:.1%}, margin {m['margin']:.2f} ({m['pairs']} pairs)")
     print(f"reward model: {result.model_dir}")
@@ -191,12 +191,9 @@ def online_command(stage: str):
     """`rlhflab ppo | grpo | rloo | reinforce | online-dpo`: one online algorithm through the shared loop, then its report."""
 
     def run(cfg) -> int:
-        import importlib
+        from rlhflab.api import run_stage
 
-        from rlhflab.eval import RunMonitor
-
-        trainer = importlib.import_module(f"rlhflab.trainers.{stage.replace('-', '_')}")
-        result = trainer.train(cfg, monitor=RunMonitor.from_config(cfg))  # bad stop_on_alarms fails before any work
+        result = run_stage(stage, cfg)  # the Python API's call: alarms and stopping from the config
         print(online_result_lines(result.summary))
         print(f"model: {result.model_dir}")
         print_report(result.run_dir, cfg)
@@ -226,9 +223,9 @@ def online_result_lines(summary: dict) -> str:
 
 
 def run_dpo(cfg) -> int:
-    from rlhflab.trainers import dpo
+    from rlhflab.api import run_stage
 
-    result = dpo.train(cfg)
+    result = run_stage("dpo", cfg)
     summary = result.summary
     rate, final = summary["validation_pass_rate"], summary["final"]
     held_out = f"validation pass rate {rate['start']:.1%} -> {rate['end']:.1%}; " if rate["start"] is not None else ""

@@ -10,6 +10,7 @@ LAYERS = {
     "errors": 0, "core": 0,
     "intervals": 0,  # pure-Python statistics (Wilson, McNemar, paired differences), read by eval, report, compare
     "trl_names": 0,  # pure data (TRL flag name -> rlhflab field), read by config's unknown-flag hints
+    "callbacks": 0,  # the Callback base class a run folder's metric sink calls (pure Python)
     "config": 1, "tasks": 1, "data": 1, "models": 1, "tracking": 1,
     "parallel": 1,  # processes, reductions, engine wrapping (DDP / FSDP2); trainers call it, never torch.distributed
     "rollout": 2, "rewards": 2, "sources": 2, "checkpoint": 2,  # checkpoint sits below the trainers that call it
@@ -18,8 +19,9 @@ LAYERS = {
     "report": 5, "demo": 5,
     "sweep": 6,  # runs trainers and writes reports
     "compare": 6,  # runs trainers, evaluates their models, writes reports (beside sweep)
-    "cli": 7,
-    "__main__": 8,  # `python -m rlhflab` (torchrun / accelerate launch -m rlhflab)
+    "api": 7,  # trainer objects and command functions for Python callers; the CLI runs stages through it
+    "cli": 8,
+    "__main__": 9,  # `python -m rlhflab` (torchrun / accelerate launch -m rlhflab)
 }
 
 
