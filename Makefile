@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 export OMP_WAIT_POLICY := PASSIVE
 
-.PHONY: setup demo test clean
+.PHONY: setup demo test docs docs-build clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -21,6 +21,14 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# the documentation site (docs/, mkdocs.yml): served at http://127.0.0.1:8000 with live reload; docs-build fails
+# on a broken link or a missing API object, as CI's tests/docs/test_docs_build.py does
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve
+
+docs-build: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir build/site
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

