@@ -8,7 +8,8 @@ name the page). Every other block runs, page by page, top to bottom in one names
 - python blocks through `exec`, with the stage configs (`rlhflab.GRPOConfig` ...) swapped for ones that keep the
   block's settings but make the run small (`SMALL`: a few steps or updates of a tiny model);
 - bash blocks line by line: `rlhflab ...` in this process through `rlhflab.cli.main` with the same small settings
-  appended as flags (later flags win), `cd` and `export` here, anything else (`mkdir`, a heredoc) in bash.
+  appended as flags (later flags win), `torchrun ... -m rlhflab ...` as launched (small settings, one thread a
+  process), `cd` and `export` here, anything else (`mkdir`, a heredoc) in bash.
 
 Every page starts in a fresh folder holding what its examples name: the demo's SFT and reward models
 (`runs/demo/sft/model`, `runs/demo/rm/model`: a tiny model with the suite's tokenizer, a reward model trained on
@@ -220,11 +221,17 @@ class Runner:
         elif words[0] == "rlhflab":
             if not only_files:
                 self.rlhflab(words[1:], block)
+        elif words[0] == "torchrun":  # a launch of several processes: for real, each process on one thread
+            at = words.index("rlhflab")
+            self.shell(shlex.join([*words[:at + 1], *self.small(words[at + 1:]), "--threads", "1"]), block)
         else:
-            env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-            done = subprocess.run(["bash", "-euo", "pipefail", "-c", command], env=env, capture_output=True,
-                                  text=True, timeout=120)
-            assert done.returncode == 0, f"{block.where}: {command[:80]!r} failed:\n{done.stderr[-3000:]}"
+            self.shell(command, block)
+
+    def shell(self, command: str, block: Block) -> None:
+        env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+        done = subprocess.run(["bash", "-euo", "pipefail", "-c", command], env=env, capture_output=True, text=True,
+                              timeout=300)
+        assert done.returncode == 0, f"{block.where}: {command[:80]!r} failed:\n{done.stderr[-3000:]}"
 
     def rlhflab(self, argv: list[str], block: Block) -> None:
         argv = self.small(argv)
