@@ -1,7 +1,7 @@
 """--async_generation: rollouts sampled in a second process with weights at most k updates old. k = 0 is the
 synchronous run bit for bit; k = 1 trains on rollouts exactly one update stale after the first, corrected by the
-importance weights; a generator that dies ends the run with a clear message; a resume asks again for the
-rollouts that were in flight."""
+importance weights; a generator that dies ends the run with a clear message; a resume takes back the rollouts in
+flight from the checkpoint and ends with the uninterrupted run's weights."""
 
 import json
 import multiprocessing
@@ -86,24 +86,27 @@ def test_a_generator_that_dies_ends_the_run_with_its_exit_code(policy_dir, tmp_p
     assert not [c for c in multiprocessing.active_children() if c.name == "rlhflab-generator"]
 
 
-def test_a_resume_asks_again_for_the_rollouts_in_flight(policy_dir, tmp_path):
+def test_a_resume_takes_back_the_rollouts_in_flight_and_ends_with_the_uninterrupted_weights(policy_dir, tmp_path):
+    import shutil
+
     from rlhflab.checkpoint import load_checkpoint
 
-    settings = dict(SMALL, save_every=2, total_episodes=48)
-    first = grpo.train(GRPOConfig(model=policy_dir, output_dir=str(tmp_path / "run"), async_generation=True,
-                                  num_generations=4, **settings))
-    _, _, state = load_checkpoint(first.run_dir / "checkpoints" / "step-2")
-    (in_flight,) = state["progress"]["in_flight"]  # rollout 3: asked after update 1, not trained at the checkpoint
-    assert in_flight[0] == 3 and len(in_flight[1]) == 16
-    assert updates(first.run_dir)[-1]["async/staleness"] == 1
-    resumed = grpo.train(GRPOConfig(model=policy_dir, output_dir=str(tmp_path / "run"), async_generation=True,
-                                    num_generations=4, resume=str(first.run_dir / "checkpoints" / "step-2"),
-                                    **settings))
-    seen = updates(resumed.run_dir)
-    assert [u["step"] for u in seen] == [1, 2, 3]
-    # rollout 3 asked again for the same prompts, now sampled with update 2's weights (the uninterrupted run used
-    # update 1's): the promise is the same prompts and noise, not the same weights after a resume
-    assert seen[-1]["async/staleness"] == 0
+    settings = dict(SMALL, save_every=2, num_generations=4, async_generation=True)
+    whole = grpo.train(GRPOConfig(model=policy_dir, output_dir=str(tmp_path / "whole"), **settings), reward_fn=varied)
+    _, kept, state = load_checkpoint(whole.run_dir / "checkpoints" / "step-2")
+    # rollouts 3 and 4, asked after updates 1 and 2 and sampled with their weights, not trained at the checkpoint
+    in_flight = state["progress"]["in_flight"]
+    assert [(u, len(ids), version) for u, ids, version in in_flight] == [(3, 16, 1), (4, 16, 2)]
+    assert kept["in_flight.4.response_ids"].shape[0] == 16
+    shutil.copytree(whole.run_dir, tmp_path / "cut")  # the same run, stopped at its step-2 checkpoint
+    resumed = grpo.train(GRPOConfig(model=policy_dir, output_dir=str(tmp_path / "cut"),
+                                    resume=str(tmp_path / "cut" / "checkpoints" / "step-2"), **settings),
+                         reward_fn=varied)
+    assert [u["async/staleness"] for u in updates(resumed.run_dir)] == [0, 1, 1, 1]
+    assert [u["objective/scores"] for u in updates(resumed.run_dir)] == [u["objective/scores"]
+                                                                         for u in updates(whole.run_dir)]
+    a, b = weights(whole.run_dir), weights(resumed.run_dir)
+    assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_what_async_generation_does_not_do_is_refused(policy_dir, tmp_path):

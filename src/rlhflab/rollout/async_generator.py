@@ -114,10 +114,19 @@ class AsyncGenerator:
 
     def receive(self, update: int) -> Delivered:
         """Rollout `update`, waiting for it; a generator process that died ends the run with its exit code."""
+        self.peek(update)
+        return self.received.pop(update)
+
+    def peek(self, update: int) -> Delivered:
+        """Rollout `update`, waiting for it, and kept for `receive` (a checkpoint writes the rollouts in flight)."""
         while update not in self.received:
             delivered = self._next_result(f"rollout {update}")
             self.received[delivered.update] = delivered
-        return self.received.pop(update)
+        return self.received[update]
+
+    def restore(self, delivered: Delivered) -> None:
+        """A rollout a checkpoint kept, received again as if the process had just sampled it."""
+        self.received[delivered.update] = delivered
 
     def _next_result(self, awaited: str):
         """The process's next message, checking every POLL_S that it is still alive."""

@@ -15,7 +15,7 @@ import torch
 
 from rlhflab.errors import UserInputError
 from rlhflab.rollout.async_generator import AsyncGenerator, Delivered, GeneratorJob
-from rlhflab.rollout.generate import GenerationSettings
+from rlhflab.rollout.generate import Generated, GenerationSettings
 from rlhflab.rollout.roles import PolicyRoles
 from rlhflab.trainers.online.ranks import rollout_seed
 
@@ -83,18 +83,42 @@ class AsyncRollouts:
         self.generator.push(roles.policy, update)
         self.ask(update + 1 + self.generator.max_staleness)
 
-    def in_flight(self) -> list[list]:
-        """[[update, prompt indices], ...] asked for and not trained on: a checkpoint keeps them."""
-        return [[u, ids] for u, ids in sorted(self.asked.items())]
+    def in_flight(self) -> tuple[list[list], dict[str, torch.Tensor]]:
+        """The rollouts asked for and not trained on, waited for: [[update, prompt indices, weights' version], ...]
+        and their tensors as `in_flight.<update>.<field>`, for a checkpoint (a resume then trains on exactly
+        what the uninterrupted run would have)."""
+        listed, tensors = [], {}
+        for update, ids in sorted(self.asked.items()):
+            delivered = self.generator.peek(update)
+            listed.append([update, ids, delivered.version])
+            for name in GENERATED_FIELDS:
+                value = getattr(delivered.generated, name)
+                if value is not None:
+                    tensors[f"{IN_FLIGHT}{update}.{name}"] = value.contiguous()
+        return listed, tensors
+
+    def restore(self, update: int, batch_ids: list[int], version: int, tensors: dict[str, torch.Tensor]) -> None:
+        """A checkpoint's in-flight rollout, as the generator delivered it before the run stopped."""
+        fields = {name: tensors.get(f"{IN_FLIGHT}{update}.{name}") for name in GENERATED_FIELDS}
+        self.asked[update] = batch_ids
+        self.generator.restore(Delivered(update, version, Generated(**fields), 0.0))
+
+
+IN_FLIGHT = "in_flight."  # checkpoint tensor names of the rollouts in flight: in_flight.<update>.<field>
+GENERATED_FIELDS = ("query_ids", "query_mask", "response_ids", "response_mask", "ended_with_eos", "sampler_logprobs")
+
+
+def in_flight_tensors(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {name: tensor for name, tensor in weights.items() if name.startswith(IN_FLIGHT)}
 
 
 @contextmanager
 def async_rollouts(cfg, roles: PolicyRoles, tokenizer, settings: GenerationSettings, draws: PromptDraws,
-                   prompt_ids: list[list[int]], done: int, num_updates: int,
-                   in_flight: list[list]) -> Iterator[AsyncRollouts | None]:
+                   prompt_ids: list[list[int]], done: int, num_updates: int, in_flight: list[list],
+                   kept: dict[str, torch.Tensor]) -> Iterator[AsyncRollouts | None]:
     """The generator process for the updates after `done` (None without --async_generation), stopped on the way
-    out. A resumed run asks again for the rollouts its checkpoint had in flight, with the prompts drawn for them
-    then, sampled with the checkpoint's weights."""
+    out. A resumed run takes back the rollouts its checkpoint had in flight (`in_flight`, their tensors `kept`),
+    so it trains on what the uninterrupted run trained on."""
     if not cfg.async_generation:
         yield None
         return
@@ -104,8 +128,8 @@ def async_rollouts(cfg, roles: PolicyRoles, tokenizer, settings: GenerationSetti
         generator = AsyncGenerator(policy, job, cfg.max_staleness, done)
     rollouts = AsyncRollouts(generator, draws, prompt_ids, cfg.seed, num_updates)
     try:
-        for update, batch_ids in in_flight:
-            rollouts.ask(update, batch_ids)
+        for update, batch_ids, version in in_flight:
+            rollouts.restore(update, batch_ids, version, kept)
         for update in range(done + 1, done + 2 + cfg.max_staleness):
             rollouts.ask(update)
         yield rollouts

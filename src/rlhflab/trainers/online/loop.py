@@ -43,7 +43,7 @@ from rlhflab.tracking import RunDir, RunResult
 from rlhflab.trainers.given import NOTHING, Given
 from rlhflab.trainers.headroom import record_start_headroom
 from rlhflab.trainers.online.algorithm import Algorithm, ScoredRollout
-from rlhflab.trainers.online.async_rollouts import PromptDraws, async_rollouts, check_async
+from rlhflab.trainers.online.async_rollouts import PromptDraws, async_rollouts, check_async, in_flight_tensors
 from rlhflab.trainers.online.evaluate import Evaluator
 from rlhflab.trainers.online.monitor import Monitor, RunWatch
 from rlhflab.trainers.online.passes import (average_stats, micro_losses, rows_named, shuffled_rows,  # noqa: F401
@@ -278,13 +278,18 @@ def train_online(cfg, algorithm: Algorithm, run: RunDir | None = None, reward_fn
     done, episode, finished, skipped = progress.update, progress.episode, progress.finished, progress.skipped
     budget_stop = progress.budget_stop
     draws = PromptDraws(order, prompt_order, cfg.batch_size // group, group, len(train_rows))
-    pack = lambda: pack_online(roles, optimizer, scheduler, algorithm, generators, Progress(  # noqa: E731
-        done, episode, draws.order, first, last_eval, last, finished, skipped, dict(walls), budget_stop,
-        ahead.in_flight() if ahead is not None else []), watch, sharded=ranks.sharded)  # reads the loop's variables
+
+    def pack():  # reads the loop's variables
+        in_flight, rollouts = ahead.in_flight() if ahead is not None else ([], {})
+        return pack_online(roles, optimizer, scheduler, algorithm, generators, Progress(
+            done, episode, draws.order, first, last_eval, last, finished, skipped, dict(walls), budget_stop,
+            in_flight), watch, sharded=ranks.sharded, rollouts=rollouts)
+
     start = num_updates if finished else done
     resumed_at = resumed.step if resumed is not None else None  # that checkpoint is on disk already
     with checkpointer(run, cfg, resumed_at, ranks, optimizer) as saver, async_rollouts(  # SIGINT / SIGTERM handlers
-            cfg, roles, tokenizer, settings, draws, prompt_ids, start, num_updates, progress.in_flight) as ahead:
+            cfg, roles, tokenizer, settings, draws, prompt_ids, start, num_updates, progress.in_flight,
+            in_flight_tensors(resumed.weights) if resumed is not None else {}) as ahead:
         if ahead is not None:  # the generator process's start (imports, the policy's copy): set-up, not an update
             walls["setup"] += ahead.generator.startup_s
         bar = tqdm(range(start + 1, num_updates + 1), desc=algorithm.name, unit="update",

@@ -50,14 +50,16 @@ def role_modules(roles: PolicyRoles) -> dict[str, torch.nn.Module]:
 
 
 def pack_online(roles: PolicyRoles, optimizer, scheduler, algorithm, generators: dict[str, torch.Generator],
-                progress: Progress, watch: RunWatch, sharded: bool = False) -> tuple[dict[str, torch.Tensor], dict]:
-    """(weights, state) of a checkpoint; `sharded`: weights and moments are written apart by every rank."""
+                progress: Progress, watch: RunWatch, sharded: bool = False,
+                rollouts: dict[str, torch.Tensor] | None = None) -> tuple[dict[str, torch.Tensor], dict]:
+    """(weights, state) of a checkpoint; `sharded`: weights and moments are written apart by every rank;
+    `rollouts`: tensors of the rollouts an asynchronous generator had in flight (beside the weights)."""
     state = {"scheduler": scheduler.state_dict(), "algorithm": algorithm.state_dict(), "rng": rng_state(generators),
              "progress": dict(vars(progress)), "watch": watch.state_dict(),
              "amp": roles.precision.state_dict()}  # fp16's loss scale and skipped steps
     if sharded:
         return {}, state
-    return trainable_weights(role_modules(roles)), {"optimizer": optimizer.state_dict(), **state}
+    return {**trainable_weights(role_modules(roles)), **(rollouts or {})}, {"optimizer": optimizer.state_dict(), **state}
 
 
 def unpack_online(resumed: Resumed, roles: PolicyRoles, optimizer, scheduler, algorithm,
@@ -71,7 +73,8 @@ def unpack_online(resumed: Resumed, roles: PolicyRoles, optimizer, scheduler, al
         load_optimiser(optimizer, scheduler, state, where,
                        load_moments=lambda: trained.load_sharded(optimizer, resumed.checkpoint / SHARDED))
     else:
-        load_trainable_weights(role_modules(roles), resumed.weights, str(resumed.checkpoint / "model.safetensors"))
+        weights = {name: t for name, t in resumed.weights.items() if not name.startswith("in_flight.")}
+        load_trainable_weights(role_modules(roles), weights, str(resumed.checkpoint / "model.safetensors"))
         load_optimiser(optimizer, scheduler, state, where)  # config's lr etc.
     algorithm.load_state_dict(state["algorithm"])
     watch.load_state_dict(state["watch"])
