@@ -343,7 +343,7 @@ def test_sweep_plans_every_new_stage(setup, stage, field, texts, values, extra):
 
 
 def test_the_readme_per_method_sections_plan(setup, tmp_path):
-    """README "Comparing methods": its example YAML is a valid compare config for every method it names."""
+    """docs/comparing-methods.md: its example YAML is a valid compare config for every method it names."""
     from pathlib import Path
 
     folder, _ = setup

@@ -1,6 +1,6 @@
 """rlhflab: PPO-based RLHF with honest evaluation.
 
-From Python (rlhflab.api; README "Python API"):
+From Python (rlhflab.api; docs/own-data.md "Python API"):
 
     from rlhflab import GRPOConfig, GRPOTrainer
     result = GRPOTrainer(model="runs/sft/model", reward_funcs=[my_reward], train_dataset=rows,

@@ -8,7 +8,7 @@ Exit codes: 0 done; 2 a user mistake (the message says what, where, what to do);
 by a non-finite loss / gradient / reward (no checkpoint after it); 130 / 143 SIGINT / SIGTERM:
 the current step finished and a checkpoint was written (continue with `--resume latest`);
 4 a second SIGINT / SIGTERM: exited at once, the last complete checkpoint untouched
-(README "Checkpoints and resume"); 1 `rlhflab compare`: a method failed (the others ran; its error is in
+(docs/reading-a-run.md "Checkpoints and resume"); 1 `rlhflab compare`: a method failed (the others ran; its error is in
 summary.json).
 """
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import signal
 from pathlib import Path
 
-# README "Checkpoints and resume": 130 SIGINT / 143 SIGTERM (step finished, checkpoint written);
+# docs/reading-a-run.md "Checkpoints and resume": 130 SIGINT / 143 SIGTERM (step finished, checkpoint written);
 # 4 a second signal while the first was handled (out at once, last complete checkpoint untouched).
 EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
 ABORTED_EXIT_CODE = 4

@@ -1,14 +1,14 @@
 """TRL's flag names and their rlhflab counterparts, for hints on unknown flags and YAML keys.
 
 `rlhflab ppo --sft_model_path X` fails with "did you mean --model? (TRL's --sft_model_path is
-rlhflab's --model)": `rlhflab.config` reads this table when a name is unknown. README "Coming from
-TRL" explains each mapping at length; this table holds the one-line version.
+rlhflab's --model)": `rlhflab.config` reads this table when a name is unknown. docs/coming-from-trl.md
+explains each mapping at length; this table holds the one-line version.
 
 Names come from TRL 1.12: `PPOConfig` (trl/experimental/ppo/ppo_config.py), `ScriptArguments`
 (trl/scripts/utils.py), `ModelConfig` (trl/trainer/model_config.py), the transformers
 `TrainingArguments` those scripts parse, and the GRPO script's reward flags. Names rlhflab spells
 the same way (`--learning_rate`, `--num_mini_batches`, `--kl_coef`, ...) are not listed: they are
-never unknown; where their meaning differs the README says so.
+never unknown; where their meaning differs docs/coming-from-trl.md says so.
 
 Pure data with no rlhflab imports, so it sits at layer 0 and `config` (layer 1) can read it.
 """

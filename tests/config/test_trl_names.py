@@ -1,4 +1,4 @@
-"""Unknown flags and YAML keys that are TRL's names get their rlhflab counterpart (README "Coming from TRL")."""
+"""Unknown flags and YAML keys that are TRL's names get their rlhflab counterpart (docs/coming-from-trl.md)."""
 
 import re
 import shlex
@@ -172,7 +172,7 @@ def test_the_cli_exits_2_with_the_hint(capsys):
     assert "did you mean --model? (TRL's --sft_model_path is rlhflab's --model)" in capsys.readouterr().err
 
 
-# --- README "Coming from TRL": the two commands of "One command, both ways" ----------------------------------
+# --- docs/coming-from-trl.md: the two commands of "One command, both ways" ----------------------------------
 
 
 def readme_commands() -> list[list[str]]:

@@ -1,4 +1,4 @@
-"""Atomic checkpoints and exact resume (README "Checkpoints and resume").
+"""Atomic checkpoints and exact resume (docs/reading-a-run.md "Checkpoints and resume").
 
 Layer 2: trainers (layer 3) import it; it knows run folders and configs, never a trainer.
 """

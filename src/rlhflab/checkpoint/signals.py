@@ -1,6 +1,6 @@
 """SIGINT / SIGTERM: finish the current step, write a checkpoint, exit with a code that says so.
 
-Exit codes (README "Checkpoints and resume"; the CLI returns them):
+Exit codes (docs/reading-a-run.md "Checkpoints and resume"; the CLI returns them):
   130  SIGINT: the current step finished and a checkpoint was written
   143  SIGTERM (e.g. a scheduler's pre-emption notice): same, checkpoint written
   4    a second SIGINT / SIGTERM while the first was being handled: out at once; the last

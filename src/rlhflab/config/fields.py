@@ -82,7 +82,7 @@ class DatasetFields:
 
 @dataclass(frozen=True)
 class DataFields(DatasetFields):
-    train_file: str = arg("", "training data in any of TRL's formats (README \"Data formats\"): JSONL, Parquet, "
+    train_file: str = arg("", "training data in any of TRL's formats (docs/own-data.md \"Data formats\"): JSONL, Parquet, "
                               "a datasets folder or a datasets name (hub id); empty = built-in suite")
     validation_file: str = arg("", "validation data, same formats; empty = built-in suite's validation split")
     max_length: int = arg(160, "prompt + completion tokens per training sequence")
@@ -92,7 +92,7 @@ class DataFields(DatasetFields):
 class PromptFileFields(DatasetFields):
     """Prompts of the online stages (rlhflab.sources): a user's file or dataset, else the built-in suite."""
 
-    train_file: str = arg("", "training prompts in TRL's prompt-only format (or any format with a prompt; README "
+    train_file: str = arg("", "training prompts in TRL's prompt-only format (or any format with a prompt; docs/own-data.md "
                               "\"Data formats\"): JSONL, Parquet, a datasets folder or name; other columns go to "
                               "reward / verifier functions; empty = built-in suite")
     validation_file: str = arg("", "validation prompts, same formats; empty = a seeded slice of the train prompts "
@@ -101,7 +101,7 @@ class PromptFileFields(DatasetFields):
 
 @dataclass(frozen=True)
 class RewardFunctionFields:
-    """A practitioner's reward and verifier functions (TRL's reward_funcs signature; README "Your own data")."""
+    """A practitioner's reward and verifier functions (TRL's reward_funcs signature; docs/own-data.md)."""
 
     reward_fn: str = arg("", "your reward functions, comma-separated FILE.py:NAME or package.module:NAME; called as "
                              "fn(prompts, completions, **columns) -> list of float or None (None: row left out)")
@@ -127,7 +127,7 @@ class OptimFields:
 @dataclass(frozen=True)
 class PrecisionFields:
     """Mixed precision and activation memory of the models a stage trains and runs (rlhflab.models.precision,
-    rlhflab.models.checkpointing; README "Real-size models")."""
+    rlhflab.models.checkpointing; docs/scaling-out.md "Real-size models")."""
 
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = arg(
         "auto", "forward passes under torch.autocast over float32 master weights and optimiser states: bf16, fp16 "
@@ -140,7 +140,7 @@ class PrecisionFields:
                "model and reward model; use_reentrant=False): less activation memory for about one more forward")
     logits_chunk_mib: int = arg(
         64, "token log-probs: form the logits of at most this many MiB of float32 at once; more positions than that "
-            "go chunk by chunk, so no (batch x tokens x vocabulary) tensor is held (README \"PPO memory modes\"); "
+            "go chunk by chunk, so no (batch x tokens x vocabulary) tensor is held (docs/ppo.md \"Memory modes\"); "
             "0 = always form them whole")
 
 
@@ -156,7 +156,7 @@ class GenerationFields:
 
 @dataclass(frozen=True)
 class GenerationBackendFields:
-    """Which engine samples the responses (rlhflab.rollout.backends; README "Generation backends")."""
+    """Which engine samples the responses (rlhflab.rollout.backends; docs/scaling-out.md "Generation backends and vLLM")."""
 
     generation_backend: Literal["lean", "hf", "vllm"] = arg(
         "lean", "lean = KV-cached lean decoder for Llama / Qwen2 layouts (other models: their own forward); hf = "
@@ -174,7 +174,7 @@ class GenerationBackendFields:
 
 @dataclass(frozen=True)
 class CheckpointFields:
-    """Checkpoints, resume and non-finite guards (rlhflab.checkpoint; README "Checkpoints and resume")."""
+    """Checkpoints, resume and non-finite guards (rlhflab.checkpoint; docs/reading-a-run.md "Checkpoints and resume")."""
 
     save_every: int = arg(0, "write RUN/checkpoints/step-N every N optimiser steps (PPO: updates) and at the end; "
                              "0 = only at the end; -1 = none (only on SIGINT / SIGTERM; model/ is still written)")
@@ -191,7 +191,7 @@ class CheckpointFields:
 
 @dataclass(frozen=True)
 class ParallelFields:
-    """Several processes (README "Multi-process training"): launched by torchrun / accelerate launch; batch
+    """Several processes (docs/scaling-out.md "Several processes"): launched by torchrun / accelerate launch; batch
     sizes stay global."""
 
     parallel_strategy: Literal["auto", "ddp", "fsdp2", "deepspeed"] = arg(
@@ -213,7 +213,7 @@ class LoraFields:
 
 @dataclass(frozen=True)
 class MonitorFields:
-    """Training alarms and the stopping rule (rlhflab.eval.alarms / .stopping; README "Alarms and stopping")."""
+    """Training alarms and the stopping rule (rlhflab.eval.alarms / .stopping; docs/reading-a-run.md "Alarms and stopping")."""
 
     stop_patience: int = arg(0, "stop when val/pass_rate has not risen by stop_min_delta over its best in this "
                                 "many evaluations (every eval_every updates); 0 = never stop early")

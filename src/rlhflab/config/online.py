@@ -53,7 +53,7 @@ class OnlineFields(ParallelFields, MonitorFields, CheckpointFields, RunFields, M
            "freed, which lowers peak RSS for big models (1 at ~25M parameters, 4 at 0.5B); 0 = malloc's default")
     async_generation: bool = arg(
         False, "sample the next rollouts in a second process while this one trains, with weights at most "
-               "--max_staleness updates old (README \"Asynchronous generation\"); one process only, lean / hf backends")
+               "--max_staleness updates old (docs/scaling-out.md \"Asynchronous generation\"); one process only, lean / hf backends")
     max_staleness: int = arg(1, "async_generation: a rollout trained in update u was sampled with the weights of "
                                 "update u - 1 - max_staleness (0 = the synchronous loop's, in another process)")
     generator_threads: int = arg(1, "async_generation: torch CPU threads of the generating process (the trainer "

@@ -34,7 +34,7 @@ def _closest(name: str, config_cls: type, flag: bool) -> str:
 
 
 def _trl_hint(name: str, names: list[str], flag: bool) -> str:
-    """README "Coming from TRL" in one line: the field this stage has for TRL's `name`, or why there is none."""
+    """docs/coming-from-trl.md in one line: the field this stage has for TRL's `name`, or why there is none."""
     show = (lambda n: f"--{n}") if flag else (lambda n: f"'{n}'")
     counterpart = TRL_NAMES[name]
     if not counterpart.fields:

@@ -96,7 +96,7 @@ class RMConfig(ParallelFields, CheckpointFields, RunFields, ModelFields, SuiteFi
     prompt_rows_together: int = arg(0, "keep up to this many of a prompt's pairs side by side in the shuffled order, so "
                                        "that the grouped scorer (shared_prefix) runs the prompt once for them; rows "
                                        "of the policy's own sampled answers (hard_negatives, calibration) stay "
-                                       "shuffled one by one; 0 = every row shuffled on its own (README: on the demo, 3 "
+                                       "shuffled one by one; 0 = every row shuffled on its own (docs/reward-models.md: on the demo, 3 "
                                        "kept validation correlation and saved ~20 percent of the reward model's time)")
     margin: float = arg(0.0, "Bradley-Terry margin: -log sigmoid(r_c - r_r - margin)")
     average_weights: float = arg(0.0, "save the mean of the weights over this last fraction of the steps "
@@ -216,7 +216,7 @@ class DPOConfig(ParallelFields, CheckpointFields, RunFields, ModelFields, SuiteF
                    "SimPO (Meng et al. 2024, no reference) on length-averaged log-probs, as TRL")
     beta: float = arg(2.0, "implicit-reward scale beta: the larger, the sooner a pair stops pushing away from the "
                            "reference (IPO: its tau, target margin 1 / (2 beta); SimPO's paper: 2.0-2.5). TRL's "
-                           "default is 0.1; on the suite 0.1 gained +12 points, 2.0 +36 (README \"DPO, IPO and SimPO\")")
+                           "default is 0.1; on the suite 0.1 gained +12 points, 2.0 +36 (docs/dpo.md)")
     label_smoothing: float = arg(0.0, "sigmoid only: share of pairs assumed mislabelled (conservative DPO); 0 = off")
     simpo_gamma: float = arg(0.5, "simpo only: target reward margin gamma")
     num_epochs: int = arg(3, "passes over the training pairs (when max_steps is 0)")
@@ -255,7 +255,7 @@ class DPOConfig(ParallelFields, CheckpointFields, RunFields, ModelFields, SuiteF
 class CompareConfig(RunFields, ModelFields, SuiteFields, PromptFileFields, RewardFunctionFields, LoraFields,
                     GenerationFields):
     """`rlhflab compare`: several methods from one SFT model, each with the same prompts, seed, reward, generation
-    settings, budget and test evaluation, side by side (README "Comparing methods").
+    settings, budget and test evaluation, side by side (docs/comparing-methods.md).
 
     Every field here is shared by all methods; a method's own settings go in a section of the --config YAML named
     after it (e.g. `grpo: {learning_rate: 2.0e-5}`), which may not set a shared field or the budget.

@@ -138,7 +138,7 @@ def probe_sft_model(cfg: DemoConfig, run: RunDir, sft_dir: str) -> dict | None:
 
 # The split whose numbers chose the demo's reward-model recipe (DemoConfig rm_* defaults): validation pairwise
 # accuracy and `rlhflab rm diagnose --split validation`; the test split is read once, for the numbers reported
-# (README "Reward model, step by step"). Recorded only when the run used that recipe.
+# (docs/reward-models.md "Training"). Recorded only when the run used that recipe.
 RM_RECIPE_CHOSEN_ON = "validation"
 RM_RECIPE_FIELDS = ("rm_epochs", "rm_batch_size", "rm_hard_negatives", "rm_pair_prompts", "rm_learning_rate",
                     "rm_center_rewards_coef", "rm_pair_kinds_always", "rm_calibration_coef", "rm_near_misses",

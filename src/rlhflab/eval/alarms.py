@@ -17,7 +17,7 @@ metrics are summarised by their median over `window` updates (KL's trend by a
 Theil-Sen slope), and a condition must hold for `persist` consecutive updates, so one
 noisy update does not fire; an alarm fires once per
 name, at the first step its rule held long enough. Defaults are calibrated on the
-tiny built-in runs (README "Alarms and stopping").
+tiny built-in runs (docs/reading-a-run.md "Alarms and stopping").
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ class RunMonitor:
 
     @classmethod
     def from_config(cls, cfg, given: Given = NOTHING) -> RunMonitor:
-        """From a PPOConfig's alarm and stop_* fields (README "Alarms and stopping"), watching the
+        """From a PPOConfig's alarm and stop_* fields (docs/reading-a-run.md "Alarms and stopping"), watching the
         held-out metric its verifier settings (or a verifier `given` in memory) give (`held_out_metric`)."""
         signal = held_out_metric(cfg, given)
         rules = AlarmRules(

@@ -1,6 +1,6 @@
 """Half precision and training: float32 master weights, optional bf16 / fp16 autocast over them.
 
-Two separate choices (README "Precision"):
+Two separate choices (docs/scaling-out.md "Precision"):
 - storage (`--dtype`): how weights are loaded and kept. Frozen weights (a LoRA base, a reward model)
   stay in that dtype; whatever trains is float32 (below);
 - compute (`--mixed_precision` / TRL's `--bf16` / `--fp16`, `resolve_precision`): forward passes run
@@ -90,7 +90,7 @@ def resolve_precision(mixed_precision: str, bf16: bool, fp16: bool, device: torc
     """"no", "bf16" or "fp16" for this device; raises before any model is loaded when the device cannot.
 
     auto = bf16 on a CUDA device that has it; float32 ("no") on a CPU, where autocast on the demo's small
-    matmuls was slower than float32 (README "Precision"). fp16 autocast on a CPU is refused (its point is
+    matmuls was slower than float32 (docs/scaling-out.md "Precision"). fp16 autocast on a CPU is refused (its point is
     a GPU's fp16 units; a CPU has bf16 or nothing), so is bf16 on a GPU without bf16 (pre-Ampere).
     DeepSpeed (`strategy`) scales fp16 losses with its own engine config, which rlhflab does not build."""
     choice, flag = requested_precision(mixed_precision, bf16, fp16)

@@ -2,7 +2,7 @@
 through accelerate). Trainers call this; they never call torch.distributed themselves (DESIGN.md).
 
 Layer 1 (beside models and tracking): it knows processes, tensors and modules, never configs or run folders.
-README "Multi-process training"; /work/notes/parallel_api.md is the API in one page.
+docs/scaling-out.md "Several processes"; /work/notes/parallel_api.md is the API in one page.
 """
 
 from rlhflab.parallel.batch import Share, local_batch_size, share_of, take

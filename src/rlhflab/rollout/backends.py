@@ -1,4 +1,4 @@
-"""Generation backends behind one call: which engine samples the responses (README "Generation backends").
+"""Generation backends behind one call: which engine samples the responses (docs/scaling-out.md "Generation backends and vLLM").
 
 `generation_backend` in a config picks one (the `BACKENDS` table):
 - `lean` (default): `rollout.generate` with the lean KV decoder for Llama / Qwen2 layouts (models/lean.py);

@@ -63,7 +63,7 @@ def duplicate_share(responses: Sequence[tuple[int, ...]], groups: Sequence[Hasha
 
 def diversity_metrics(response_ids: Tensor, response_mask: Tensor, ended_with_eos: Tensor,
                       prompt_keys: Sequence[Hashable], group_size: int = 1) -> dict[str, float]:
-    """The `response/*` diversity metrics of one rollout (README "Metrics").
+    """The `response/*` diversity metrics of one rollout (docs/reading-a-run.md "Metrics").
 
     `prompt_keys[b]` identifies row b's prompt; `response/duplicate_share` (same
     prompt) is left out when no prompt occurs twice in the batch.

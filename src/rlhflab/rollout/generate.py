@@ -31,8 +31,8 @@ class GenerationSettings:
 
 @dataclass(frozen=True)
 class BatchPlace:
-    """Where one process's rows sit in a global batch that several processes decode (README "Multi-process
-    training"): rows `first` .. `first + B - 1` of `total`, prompts left-padded to `prompt_width` (the global
+    """Where one process's rows sit in a global batch that several processes decode (docs/scaling-out.md
+    "Several processes"): rows `first` .. `first + B - 1` of `total`, prompts left-padded to `prompt_width` (the global
     batch's longest). Every decoding step draws the sampling noise of all `total` rows and keeps its own, so
     a row's tokens depend on its place in the global batch and the generator, not on the process decoding it."""
 

@@ -1,6 +1,6 @@
 """Policy, reference and value behind three calls, whatever the memory mode.
 
-Memory modes (MISSION.md §3, README "PPO memory modes"):
+Memory modes (MISSION.md §3, docs/ppo.md "Memory modes"):
 - full fine-tune: the reference is a frozen copy (resident), or reloaded from
   disk for each rollout's log-probs and freed again (`reference_mode="reload"`);
 - LoRA policy: the reference is the same base with the adapter switched off;

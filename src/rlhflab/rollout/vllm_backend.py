@@ -1,4 +1,4 @@
-"""vLLM as the generation backend, colocated with training on the same GPU (README "Generation backends").
+"""vLLM as the generation backend, colocated with training on the same GPU (docs/scaling-out.md "Generation backends and vLLM").
 
 How it runs (the same scheme as TRL's `vllm_mode="colocate"`; vLLM docs "Sleep Mode"):
 - one `vllm.LLM` inside the training process (`distributed_executor_backend="external_launcher"`, which reads

@@ -3,7 +3,7 @@
     rlhflab dpo --model runs/demo-.../sft/model                  # the suite's pairs
     rlhflab dpo --model M --train_file prefs.jsonl --loss_type ipo
 
-Steps (numbered as in README "DPO, IPO and SimPO"):
+Steps (numbered as in docs/dpo.md):
   1. policy (+ LoRA) and tokenizer; pairs tokenised with their prompt lengths (trainers/dpo_data.py)
   2. reference log-probs of every train and validation pair, computed once; the reference is then freed
      (the starting weights are the policy itself before its first step; SimPO needs none)
@@ -15,7 +15,7 @@ Steps (numbered as in README "DPO, IPO and SimPO"):
   5. checkpoints every `save_every` steps, at the end and on SIGINT / SIGTERM; `--resume` continues bit for bit
   6. the policy as an ordinary HF folder (LoRA merged; the adapter beside it)
 
-Several processes (README "Multi-process training"): `batch_size` pairs is the global batch; each rank
+Several processes (docs/scaling-out.md "Several processes"): `batch_size` pairs is the global batch; each rank
 trains on its block, losses are weighted by global counts, reference log-probs are computed once in
 shares and gathered; rank 0 alone evaluates (on the whole model) and writes.
 """

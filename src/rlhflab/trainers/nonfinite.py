@@ -1,4 +1,4 @@
-"""The last part of every optimiser update, guarded against NaN / inf (README "Checkpoints and resume").
+"""The last part of every optimiser update, guarded against NaN / inf (docs/reading-a-run.md "Checkpoints and resume").
 
 `nonfinite="stop"` (default): a non-finite loss or gradient norm raises FloatingPointError;
 the trainer adds the step and the batch's rows to the message, and no checkpoint or model

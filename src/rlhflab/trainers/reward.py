@@ -9,7 +9,7 @@ real token (`models.sequence_scores`), whatever the padding side; an encoder bac
 (BERT, MiniLM) reads it at [CLS], as its own head does, and its text is framed as
 `rewards.encoder_rows` frames it when the reward model scores PPO's answers.
 
-Several processes (README "Multi-process training"): `batch_size` pairs is the global batch; each rank
+Several processes (docs/scaling-out.md "Several processes"): `batch_size` pairs is the global batch; each rank
 scores its block, the loss and metrics are over every rank's pairs (`parallel`), rank 0 alone evaluates
 and writes.
 """
@@ -80,7 +80,7 @@ def tokenize_pairs(pairs: list[data.PairExample], tokenizer, max_length: int,
 HARD_NEGATIVE = "policy_answer"  # the violation label of a hard negative: the policy's own failing answer
 SAMPLED = "policy_samples"  # a calibration row: two of the policy's own answers to one prompt, each checked
 # rows of the policy's own sampled answers: shuffled one by one even with prompt_rows_together (side by side, the
-# demo's reward model learned less per step: README "Reward model, step by step")
+# demo's reward model learned less per step: docs/reward-models.md "Training")
 POLICY_ROWS = (HARD_NEGATIVE, SAMPLED)
 
 

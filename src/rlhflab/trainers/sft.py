@@ -8,7 +8,7 @@ losses over the whole step divided by the step's completion-token count, so
 accumulation gives the same update as one big batch (a per-micro-batch mean
 would weight short micro-batches more; see transformers issue #34191).
 
-Several processes (README "Multi-process training"): `batch_size` stays the global batch; each rank
+Several processes (docs/scaling-out.md "Several processes"): `batch_size` stays the global batch; each rank
 trains on its block of it and normalises by the global token count, so the update is the single-process
 one. Rank 0 alone evaluates (on the whole model) and writes; the others wait for its results.
 """

@@ -1,6 +1,6 @@
 """The one online cycle every online algorithm runs (PPO, GRPO, RLOO, REINFORCE).
 
-Each update (README "PPO, step by step" numbers them for PPO):
+Each update (docs/ppo.md "Step by step" numbers them for PPO):
   1. sample `batch_size / k` prompts, each asked `k = algorithm.samples_per_prompt` times
   2. generate responses; old log-probs, reference log-probs (and values, with a critic), once
   3. score the finished responses; subtract `missing_eos_penalty` where EOS never came
@@ -9,11 +9,11 @@ Each update (README "PPO, step by step" numbers them for PPO):
      clipping, AdamW, LR schedule
   6. the algorithm's own state (PPO's KL coefficient), metrics, evaluation every `eval_every`
   7. if a monitor was given: feed it each logged row, log its alarms, stop when it says so
-     (README "Alarms and stopping"); stop too when `max_seconds` is spent
+     (docs/reading-a-run.md "Alarms and stopping"); stop too when `max_seconds` is spent
   8. checkpoint every `save_every` updates, at the end, and on SIGINT / SIGTERM
-     (README "Checkpoints and resume"); `--resume` continues bit for bit
+     (docs/reading-a-run.md "Checkpoints and resume"); `--resume` continues bit for bit
 
-Several processes (torchrun / accelerate launch; README "Multi-process training"): `batch_size` is the
+Several processes (torchrun / accelerate launch; docs/scaling-out.md "Several processes"): `batch_size` is the
 global batch, each rank generates and scores its share of the prompts, every rank then holds the whole
 scored rollout, so steps 4-7 are the single-process ones; trainers/online/ranks.py says how.
 """
@@ -133,7 +133,7 @@ def warn_uncorrected(mode: str, backend: str) -> None:
 
 
 def rollout_metrics(batch: ScoredRollout, prompt_keys: list[int]) -> dict:
-    """Per-update metrics every algorithm logs (README "Metrics"); `prompt_keys[b]` names row b's prompt.
+    """Per-update metrics every algorithm logs (docs/reading-a-run.md "Metrics"); `prompt_keys[b]` names row b's prompt.
 
     objective/kl is the mean summed k1 KL of the valid responses, whatever the algorithm does with KL."""
     rollout, valid, scores = batch.rollout, batch.valid, batch.scores

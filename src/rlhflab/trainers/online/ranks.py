@@ -1,4 +1,4 @@
-"""The online loop over several processes (README "Multi-process training"): one global batch, each rank a part.
+"""The online loop over several processes (docs/scaling-out.md "Several processes"): one global batch, each rank a part.
 
     torchrun --nproc_per_node 2 -m rlhflab ppo --model SFT_DIR --reward checker
 
