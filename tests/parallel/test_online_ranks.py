@@ -181,7 +181,15 @@ def test_the_first_step_under_bf16_in_two_processes_has_ratio_exactly_one_and_kl
     run = setup[0] / "bf16" / name
     first = next(r for r in metrics(run) if "objective/kl" in r)
     assert first["objective/kl"] == 0.0
-    assert first["policy/ratio_min"] == first["policy/ratio_max"] == 1.0
+    if name == "grpo-ddp-bf16":
+        # Under DDP a rank's training micro-batches hold other rows than its rollout forward held (whole groups
+        # shuffled across the ranks, then cut into micro-batches of half a group), so the packed shared-prompt
+        # rows are laid out otherwise and bf16 rounds the same math differently: equal within rounding, bit for
+        # bit only when the rows drawn happen to pack alike (they did with the prompts drawn before b2c7251 gave
+        # the prompt order a stream of its own)
+        assert abs(first["policy/ratio_min"] - 1) < 1e-4 and abs(first["policy/ratio_max"] - 1) < 1e-4
+    else:
+        assert first["policy/ratio_min"] == first["policy/ratio_max"] == 1.0
     assert json.loads((run / "summary.json").read_text())["precision"]["mixed_precision"] == "bf16"
 
 
