@@ -108,16 +108,29 @@ def test_dpo_with_a_peft_config_from_memory_equals_the_cli(in_memory, tmp_path):
     assert all(torch.equal(api[k], by_cli[k]) for k in api)
 
 
-def test_ppo_from_memory_with_a_verifier(in_memory, tmp_path):
+def test_ppo_from_memory_with_a_verifier_equals_the_cli(in_memory, tmp_path):
     model, tokenizer, prompts, _ = in_memory
     verifier = lambda prompts, completions, answer, **kw: [c[0]["content"].strip() == a  # noqa: E731
                                                             for c, a in zip(completions, answer)]
     settings = {k: v for k, v in SETTINGS.items() if k != "num_generations"}
+    train, validation = prompts.select(range(12)), prompts.select(range(12, 16))
     result = rlhflab.PPOTrainer(model=model, processing_class=tokenizer, reward_funcs=correct, verifier=verifier,
-                                train_dataset=prompts.select(range(12)), eval_dataset=prompts.select(range(12, 16)),
+                                train_dataset=train, eval_dataset=validation,
                                 args=PPOConfig(output_dir=str(tmp_path / "ppo"), **settings)).train()
     assert result.summary["held_out"]["metric"] == "val/pass_rate"
     assert result.summary["validation_pass_rate"]["start"] == 0.0 and result.model_dir.is_dir()
+    model_dir, data, fns = as_files(tmp_path, model, tokenizer, train, "prompts")
+    (tmp_path / "val.jsonl").write_text("".join(json.dumps(r) + "\n" for r in validation.to_list()))
+    (tmp_path / "rewards.py").write_text(textwrap.dedent(REWARDS) + textwrap.dedent('''
+        def verifier(prompts, completions, answer, **kw):
+            return [c[0]["content"].strip() == a for c, a in zip(completions, answer)]
+        '''))
+    flags = [f"--{k}={v}" for k, v in settings.items()]
+    assert cli.main(["ppo", "--model", model_dir, "--train_file", data, "--validation_file", str(tmp_path / "val.jsonl"),
+                     "--reward_fn", f"{fns}:correct", "--verifier", f"{fns}:verifier",
+                     "--output_dir", str(tmp_path / "cli"), *flags]) == 0
+    api, by_cli = weights(result.run_dir), weights(tmp_path / "cli")
+    assert api.keys() == by_cli.keys() and all(torch.equal(api[k], by_cli[k]) for k in api)
 
 
 def test_bad_input_is_refused_before_any_model_is_loaded_and_an_earlier_run_is_kept(in_memory, tmp_path, monkeypatch):
