@@ -190,3 +190,30 @@ def test_the_readme_python_example_runs_as_written(in_memory, tmp_path, monkeypa
     exec(block.replace("GRPOConfig(total_episodes=1024, ", f"GRPOConfig({small}"), {})
     printed = capsys.readouterr().out
     assert "'start':" in printed and str(Path("runs/grpo/model")) in printed
+
+
+def test_an_api_run_resumes_on_its_own_inputs_and_refuses_other_rows(in_memory, tmp_path):
+    model, tokenizer, prompts, _ = in_memory
+    settings = dict(SETTINGS, save_every=1)
+    first = rlhflab.GRPOTrainer(model=model, processing_class=tokenizer, reward_funcs=[correct], train_dataset=prompts,
+                                args=GRPOConfig(output_dir=str(tmp_path / "run"), **settings)).train()
+    stored = (first.run_dir / "inputs" / "train.parquet").read_bytes()
+    resume = dict(settings, resume=str(first.run_dir / "checkpoints" / "step-1"))  # no output_dir: the run's own
+    other = prompts.select(range(8))
+    with pytest.raises(UserInputError, match="other rows than the run being resumed"):
+        rlhflab.GRPOTrainer(model=model, processing_class=tokenizer, reward_funcs=[correct], train_dataset=other,
+                            args=GRPOConfig(**resume)).train()
+    assert (first.run_dir / "inputs" / "train.parquet").read_bytes() == stored  # the run's rows left as they were
+    again = rlhflab.GRPOTrainer(model=model, processing_class=tokenizer, reward_funcs=[correct], train_dataset=prompts,
+                                args=GRPOConfig(**resume)).train()
+    assert again.run_dir == first.run_dir and again.summary["resumes"][-1]["step"] == 1
+
+
+def test_run_stage_and_the_verifier_are_checked(in_memory):
+    model, _, _, _ = in_memory
+    with pytest.raises(UserInputError, match="no training stage 'ppo2'"):
+        rlhflab.run_stage("ppo2", PPOConfig())
+    with pytest.raises(UserInputError, match="stage grpo takes a GRPOConfig, not a PPOConfig"):
+        rlhflab.run_stage("grpo", PPOConfig())
+    with pytest.raises(UserInputError, match="a verifier both in verifier= and in args.verifier"):
+        rlhflab.GRPOTrainer(model=model, verifier=correct, args=GRPOConfig(verifier="mine.py:check"))

@@ -118,7 +118,7 @@ def test_grpo_runs_trl_style_functions_unchanged_on_conversational_data(tmp_path
     calls = [json.loads(line) for line in (tmp_path / "calls.jsonl").read_text().splitlines()]
     # the evaluations before the first update and after the last (no verifier: the reward's own), and the two
     # rollouts between: the updates done when each was scored
-    assert [c["step"] for c in calls] == [0, 0, 1, 2]
+    assert [c["step"] for c in calls] == [0, 0, 1, 2]  # GRPO: one pass of one minibatch an update
     tokenizer = models.load_tokenizer(policy)
     for call in calls:
         assert isinstance(call["prompt"], list) and call["prompt"][0]["role"] == "user"

@@ -97,7 +97,8 @@ def test_a_resume_takes_back_the_rollouts_in_flight_and_ends_with_the_uninterrup
     # rollouts 3 and 4, asked after updates 1 and 2 and sampled with their weights, not trained at the checkpoint
     in_flight = state["progress"]["in_flight"]
     assert [(u, len(ids), version) for u, ids, version in in_flight] == [(3, 16, 1), (4, 16, 2)]
-    assert kept["in_flight.4.response_ids"].shape[0] == 16
+    assert state["in_flight_rollouts"]["in_flight.4.response_ids"].shape[0] == 16 and not any(
+        name.startswith("in_flight") for name in kept)  # beside the optimiser state, not among the weights
     shutil.copytree(whole.run_dir, tmp_path / "cut")  # the same run, stopped at its step-2 checkpoint
     resumed = grpo.train(GRPOConfig(model=policy_dir, output_dir=str(tmp_path / "cut"),
                                     resume=str(tmp_path / "cut" / "checkpoints" / "step-2"), **settings),
@@ -116,3 +117,40 @@ def test_what_async_generation_does_not_do_is_refused(policy_dir, tmp_path):
     with pytest.raises(UserInputError, match="lora_merge_generation"):
         grpo.train(GRPOConfig(model=policy_dir, output_dir=str(tmp_path / "b"), async_generation=True, lora_r=4,
                               lora_merge_generation=True, num_generations=4, **SMALL))
+
+
+def test_ctrl_c_reaching_the_generator_too_still_checkpoints_and_the_run_resumes(policy_dir, tmp_path):
+    """Ctrl-C signals the whole process group: the generator ignores it, the trainer finishes the update, writes a
+    checkpoint holding the rollouts in flight (read from the live generator) and stops it."""
+    from rlhflab.checkpoint import Interrupted
+
+    calls = []
+
+    def interrupt_at_the_second_update(prompts, responses, rows):
+        calls.append(1)
+        if len(calls) == 2:
+            for child in multiprocessing.active_children():
+                if child.name == "rlhflab-generator":
+                    os.kill(child.pid, signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGINT)
+        return varied(prompts, responses, rows)
+
+    settings = dict(SMALL, num_generations=4, async_generation=True, save_every=10)
+    with pytest.raises(Interrupted):
+        grpo.train(GRPOConfig(model=policy_dir, output_dir=str(tmp_path / "run"), **settings),
+                   reward_fn=interrupt_at_the_second_update)
+    assert (tmp_path / "run" / "checkpoints" / "step-2").is_dir()
+    assert not [c for c in multiprocessing.active_children() if c.name == "rlhflab-generator"]
+    resumed = grpo.train(GRPOConfig(model=policy_dir, output_dir=str(tmp_path / "run"), resume="latest", **settings),
+                         reward_fn=varied)
+    assert [u["step"] for u in updates(resumed.run_dir)] == [1, 2, 3, 4]
+
+
+def test_a_trainer_that_fails_stops_its_generator(policy_dir, tmp_path):
+    def failing(prompts, responses, rows):
+        raise ValueError("the reward broke")
+
+    with pytest.raises(ValueError, match="the reward broke"):
+        grpo.train(GRPOConfig(model=policy_dir, output_dir=str(tmp_path / "run"), async_generation=True,
+                              num_generations=4, **SMALL), reward_fn=failing)
+    assert not [c for c in multiprocessing.active_children() if c.name == "rlhflab-generator"]

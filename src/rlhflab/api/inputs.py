@@ -9,6 +9,7 @@ A model id or folder, and a data file or dataset name, are passed through as the
 from __future__ import annotations
 
 import dataclasses
+import filecmp
 import inspect
 import json
 import math
@@ -63,8 +64,10 @@ def reward_functions(funcs: Any, weights: Sequence[float] | None
     return specs, held
 
 
-def write_dataset(dataset: Any, path: Path, what: str) -> str:
-    """A dataset handed in memory, written where the stage reads it; a str (file, folder or dataset name) as is."""
+def write_dataset(dataset: Any, path: Path, what: str, resumed: bool = False, allow_change: bool = False) -> str:
+    """A dataset handed in memory, written where the stage reads it; a str (file, folder or dataset name) as is.
+    `resumed`: the run folder already holds the rows the run trained on, and other rows are refused (unless
+    `allow_change`), as a changed config is."""
     if isinstance(dataset, (str, Path)):
         return str(dataset)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -73,8 +76,7 @@ def write_dataset(dataset: Any, path: Path, what: str) -> str:
             raise UserInputError(f"{what} has no rows", what)
         target = path.with_suffix(".parquet")
         dataset.to_parquet(str(_partial(target)))
-        os.replace(_partial(target), target)  # whole or not there (every process of a launch writes the same)
-        return str(target)
+        return _put_in_place(target, what, resumed, allow_change)
     rows = list(dataset) if isinstance(dataset, Sequence) or hasattr(dataset, "__iter__") else None
     if rows is None or not rows:
         raise UserInputError(f"{what} is {'empty' if rows == [] else f'a {type(dataset).__name__}'}", what,
@@ -90,7 +92,18 @@ def write_dataset(dataset: Any, path: Path, what: str) -> str:
             except (TypeError, ValueError) as err:
                 raise UserInputError(f"{what} row {i} cannot be written as JSON ({err})", what,
                                      "keep to strings, numbers, bools, lists and dicts in the rows") from err
-    os.replace(_partial(target), target)
+    return _put_in_place(target, what, resumed, allow_change)
+
+
+def _put_in_place(target: Path, what: str, resumed: bool, allow_change: bool) -> str:
+    """The written partial file moved to `target`, whole or not at all (every process of a launch writes the same
+    rows); on a resume, rows other than the run's are refused and the run's file is left as it was."""
+    partial = _partial(target)
+    if resumed and target.is_file() and not filecmp.cmp(partial, target, shallow=False) and not allow_change:
+        partial.unlink()
+        raise UserInputError(f"{what} holds other rows than the run being resumed trained on ({target})", what,
+                             "resume with the same data, or pass allow_config_change=True to continue on these rows")
+    os.replace(partial, target)
     return str(target)
 
 

@@ -18,12 +18,16 @@ from typing import Any
 from rlhflab.api.inputs import (check_config, check_function, lora_fields, reward_functions, write_dataset,
                                 write_model)
 from rlhflab.callbacks import Callback
-from rlhflab.config import (DPOConfig, GRPOConfig, OnlineDPOConfig, PPOConfig, REINFORCEConfig, RLOOConfig,
+from rlhflab.checkpoint.resume import resume_target
+from rlhflab.config import (STAGES, DPOConfig, GRPOConfig, OnlineDPOConfig, PPOConfig, REINFORCEConfig, RLOOConfig,
                             RMConfig, SFTConfig)
 from rlhflab.errors import UserInputError
 from rlhflab.tracking import RunResult, check_folder_free, default_run_path
 from rlhflab.trainers.given import NOTHING, Given
 
+# training stage -> its module in rlhflab.trainers
+STAGE_MODULES = {"sft": "sft", "rm": "reward", "dpo": "dpo", "ppo": "ppo", "grpo": "grpo", "rloo": "rloo",
+                 "reinforce": "reinforce", "online-dpo": "online_dpo"}
 ONLINE_STAGES = ("ppo", "grpo", "rloo", "reinforce", "online-dpo")
 
 
@@ -32,7 +36,12 @@ def run_stage(stage: str, cfg, given: Given = NOTHING) -> RunResult:
     online stage with its alarms and stopping rule (`RunMonitor.from_config`)."""
     import importlib
 
-    module = importlib.import_module(f"rlhflab.trainers.{ {'rm': 'reward'}.get(stage, stage).replace('-', '_') }")
+    if stage not in STAGE_MODULES:
+        raise UserInputError(f"no training stage {stage!r}", "run_stage", f"one of {', '.join(STAGE_MODULES)}")
+    if not isinstance(cfg, STAGES[stage]):
+        raise UserInputError(f"stage {stage} takes a {STAGES[stage].__name__}, not a {type(cfg).__name__}",
+                             "run_stage", f"pass {STAGES[stage].__name__}(...)")
+    module = importlib.import_module(f"rlhflab.trainers.{STAGE_MODULES[stage]}")
     if stage in ONLINE_STAGES:
         from rlhflab.eval import RunMonitor
 
@@ -70,8 +79,10 @@ class Trainer:
     def config(self):
         """The stage's config with what was handed in memory written into RUN/inputs/ and named there."""
         args = self.args
-        run = Path(args.output_dir or default_run_path(self.stage))
-        if not args.resume:  # a run already there is refused before anything of this one is written into it
+        if args.resume:  # the folder of the run resumed, which holds its inputs already
+            run = resume_target(args)[0]
+        else:  # a run already there is refused before anything of this one is written into it
+            run = Path(args.output_dir or default_run_path(self.stage))
             check_folder_free(run, args.overwrite)
         inputs = run / "inputs"
         changes: dict[str, Any] = {"output_dir": str(run), **self.lora}
@@ -83,10 +94,12 @@ class Trainer:
                                                       self.processing_class, inputs, "model")
             if tokenizer:
                 changes["tokenizer"] = tokenizer
+        resumed = dict(resumed=bool(args.resume), allow_change=args.allow_config_change)
         if self.train_dataset is not None:
-            changes["train_file"] = write_dataset(self.train_dataset, inputs / "train", "train_dataset")
+            changes["train_file"] = write_dataset(self.train_dataset, inputs / "train", "train_dataset", **resumed)
         if self.eval_dataset is not None:
-            changes["validation_file"] = write_dataset(self.eval_dataset, inputs / "validation", "eval_dataset")
+            changes["validation_file"] = write_dataset(self.eval_dataset, inputs / "validation", "eval_dataset",
+                                                       **resumed)
         return dataclasses.replace(args, **changes, **self.extra_fields(inputs))
 
     def extra_fields(self, inputs: Path) -> dict[str, Any]:
@@ -97,6 +110,16 @@ class Trainer:
         """Run the stage; the result's `.summary` holds the run's figures, `.run_dir` its folder."""
         self.result = run_stage(self.stage, self.config(), self.given())
         return self.result
+
+
+def given_verifier(verifier: Any, args: Any):
+    """A verifier function handed in memory, checked; refused beside the config's own --verifier."""
+    if verifier is None:
+        return None
+    if args.verifier.strip():
+        raise UserInputError(f"a verifier both in verifier= and in args.verifier ({args.verifier!r})", "verifier",
+                             "name it in one place")
+    return check_function(verifier, "verifier")
 
 
 def several_processes() -> bool:
@@ -127,7 +150,7 @@ class DPOTrainer(Trainer):
                  callbacks: list[Callback] | None = None, verifier: Any = None):
         super().__init__(model, args, train_dataset, eval_dataset, processing_class, peft_config, callbacks)
         self.ref_model = ref_model
-        self.verifier = None if verifier is None else check_function(verifier, "verifier")
+        self.verifier = given_verifier(verifier, self.args)
 
     def given(self) -> Given:
         return Given(verifier=self.verifier, callbacks=tuple(self.callbacks))
@@ -153,7 +176,7 @@ class OnlineTrainer(Trainer):
         if self.specs and (self.args.reward_fn or self.args.reward_weights):
             raise UserInputError("reward function specs both in reward_funcs and in args.reward_fn", "reward_funcs",
                                  "name them in one place")
-        self.verifier = None if verifier is None else check_function(verifier, "verifier")
+        self.verifier = given_verifier(verifier, self.args)
         self.reward_model, self.reward_processing_class = reward_model, reward_processing_class
 
     def given(self) -> Given:

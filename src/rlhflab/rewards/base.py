@@ -38,8 +38,8 @@ class Scored:
 class ScoreContext:
     """What an online trainer knows about the responses beside their text, for the reward functions that ask
     (TRL's extra keyword arguments): each response's token ids (`completion_ids`: its EOS in, padding out) and
-    the updates done so far. It is handed to a function as TRL's `trainer_state` too: `trainer_state.global_step`
-    reads the same number."""
+    the optimiser steps done so far (updates x passes x minibatches, as TRL counts). It is handed to a function as
+    TRL's `trainer_state`, of which it has `global_step` only."""
 
     completion_ids: list[list[int]] | None = None
     global_step: int = 0

@@ -11,7 +11,8 @@ strings (the completion is the text up to EOS); on conversational prompts (messa
 `prompts` are the message lists and each completion is `[{"role": "assistant", "content": text}]`,
 so `completion[0]["content"]` reads it. Every other column of the prompt rows arrives as a
 keyword argument holding one value per row; during training also `completion_ids` (each
-response's token ids, its EOS included, as TRL's) and `trainer_state` (`.global_step`: updates done). A
+response's token ids, its EOS included, as TRL's) and `trainer_state` (`.global_step` only: the optimiser
+steps done, as TRL counts them). A
 function without `**kwargs` gets only the arguments it names. A reward returns one float per
 row, or None where it cannot score that row: that row is left out of the update and counted.
 A verifier returns one bool per row. An exception inside the function is reported with the

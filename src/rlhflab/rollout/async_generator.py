@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 import queue
+import signal
 import sys
 import time
 import types
@@ -80,11 +82,12 @@ class AsyncGenerator:
         self.slots = [{name: t.detach().clone().share_memory_() for name, t in source.items()}
                       for _ in range(max_staleness + 1)]
         self.versions = ctx.Array("q", [-1] * (max_staleness + 1))
-        self.requests, self.results = ctx.Queue(), ctx.Queue()
+        self.requests, self.results, self.stopping = ctx.Queue(), ctx.Queue(), ctx.Event()
         clone = copy.deepcopy(policy).eval()
         self.push(policy, start_version)
         self.process = ctx.Process(target=serve, args=(clone, self.slots, self.versions, self.requests, self.results,
-                                                       job), daemon=True, name="rlhflab-generator")
+                                                       self.stopping, os.getpid(), job),
+                                   daemon=True, name="rlhflab-generator")
         with main_module_left_alone():
             self.process.start()
         self.received: dict[int, Delivered] = {}
@@ -130,26 +133,32 @@ class AsyncGenerator:
 
     def _next_result(self, awaited: str):
         """The process's next message, checking every POLL_S that it is still alive."""
+        ended = (f"the generator process ended (exit code {{}}) before {awaited}: its error, if any, is printed "
+                 "above; run without --async_generation to meet it in this process")
         while True:
             try:
                 message = self.results.get(timeout=POLL_S)
             except queue.Empty:
                 if not self.process.is_alive():
-                    raise RuntimeError(f"the generator process ended (exit code {self.process.exitcode}) before "
-                                       f"{awaited}: its error, if any, is printed above") from None
+                    raise RuntimeError(ended.format(self.process.exitcode)) from None
                 continue
+            except (OSError, EOFError, RuntimeError) as err:  # its tensors' file descriptors went with the process
+                raise RuntimeError(ended.format(self.process.exitcode)) from err
             if isinstance(message, BaseException):
                 raise RuntimeError(f"the generator process failed: {message!r}") from message
             return message
 
     def close(self) -> None:
-        """Stop the process (rollouts asked for and not received are dropped)."""
+        """Stop the process (rollouts asked for and not received are dropped, not sampled)."""
+        self.stopping.set()
         if self.process.is_alive():
             self.requests.put(None)
             self.process.join(timeout=10)
         if self.process.is_alive():
             self.process.terminate()
             self.process.join(timeout=5)
+        for channel in (self.requests, self.results):  # unread bytes must not hold this process at its exit
+            channel.cancel_join_thread()
 
 
 @contextmanager
@@ -166,34 +175,59 @@ def main_module_left_alone() -> Iterator[None]:
             sys.modules["__main__"] = main
 
 
-def serve(policy: torch.nn.Module, slots: list[dict[str, torch.Tensor]], versions, requests, results,
-          job: GeneratorJob) -> None:
-    """The generator process: sample each asked rollout with the weights it names, in order, until None."""
+def serve(policy: torch.nn.Module, slots: list[dict[str, torch.Tensor]], versions, requests, results, stopping,
+          trainer_pid: int, job: GeneratorJob) -> None:
+    """The generator process: sample each asked rollout with the weights it names, in order, until None or the
+    trainer stops it. SIGINT / SIGTERM are the trainer's to act on (Ctrl-C reaches the whole process group): it
+    checkpoints, reading the rollouts in flight from here, then stops this process. A trainer that died (SIGKILL,
+    the OOM killer) ends it within POLL_S."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     torch.set_num_threads(max(job.threads, 1))
+    try:
+        sample = sampler_of(policy, slots, versions, job)
+        results.put("ready")
+        while (request := next_request(requests, stopping, trainer_pid)) is not None:
+            results.put(sample(*request))
+    except BaseException as err:  # the trainer raises it where it waits; the tensors already sent stay readable
+        results.put(RuntimeError(f"{type(err).__name__}: {err}"))
+        while next_request(requests, stopping, trainer_pid) is not None:
+            pass
+
+
+def next_request(requests, stopping, trainer_pid: int):
+    """The next request, or None once the trainer asks to stop or is gone."""
+    while not stopping.is_set() and os.getppid() == trainer_pid:
+        try:
+            return requests.get(timeout=POLL_S)
+        except queue.Empty:
+            continue
+    return None
+
+
+def sampler_of(policy: torch.nn.Module, slots: list[dict[str, torch.Tensor]], versions, job: GeneratorJob):
+    """sample(update, version, prompts, seed) -> Delivered: the rollout sampled with that version's weights."""
     if job.backend == "hf":
         use_backend(policy, HF)
     elif job.backend != "lean":
         raise ValueError(f"async generation samples with the lean or hf backend, not {job.backend}")
     device = next(policy.parameters()).device
     autocast = MixedPrecision(job.autocast, device.type).autocast
-    loaded, params = -1, trainable_tensors(policy)
-    results.put("ready")
-    try:
-        while (request := requests.get()) is not None:
-            update, version, prompts, seed = request
-            started = time.perf_counter()
-            if version != loaded:
-                slot = version % len(slots)
-                if versions[slot] != version:
-                    raise RuntimeError(f"rollout {update}: slot {slot} holds update {versions[slot]}, not {version}")
-                with torch.no_grad():
-                    for name, tensor in params.items():
-                        tensor.copy_(slots[slot][name])
-                loaded = version
-            with torch.no_grad(), generation_autocast(policy, autocast):
-                out = generate_with(policy, prompts, pad_id=job.pad_id, eos_id=job.eos_id, settings=job.settings,
-                                    generator=torch.Generator(device=device).manual_seed(seed))
-            results.put(Delivered(update, version, out, time.perf_counter() - started))
-    except BaseException as err:  # the trainer raises it where it waits
-        results.put(RuntimeError(f"{type(err).__name__}: {err}"))
-        raise
+    params, loaded = trainable_tensors(policy), [-1]
+
+    def sample(update: int, version: int, prompts: list[list[int]], seed: int) -> Delivered:
+        started = time.perf_counter()
+        if version != loaded[0]:
+            slot = version % len(slots)
+            if versions[slot] != version:
+                raise RuntimeError(f"rollout {update}: slot {slot} holds update {versions[slot]}, not {version}")
+            with torch.no_grad():
+                for name, tensor in params.items():
+                    tensor.copy_(slots[slot][name])
+            loaded[0] = version
+        with torch.no_grad(), generation_autocast(policy, autocast):
+            out = generate_with(policy, prompts, pad_id=job.pad_id, eos_id=job.eos_id, settings=job.settings,
+                                generator=torch.Generator(device=device).manual_seed(seed))
+        return Delivered(update, version, out, time.perf_counter() - started)
+
+    return sample

@@ -7,6 +7,8 @@ minibatch shuffles', so the prompts of update u are the same whether they are dr
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import time
 from contextlib import contextmanager
 from collections.abc import Iterator
@@ -18,6 +20,8 @@ from rlhflab.rollout.async_generator import AsyncGenerator, Delivered, Generator
 from rlhflab.rollout.generate import Generated, GenerationSettings
 from rlhflab.rollout.roles import PolicyRoles
 from rlhflab.trainers.online.ranks import rollout_seed
+
+log = logging.getLogger("rlhflab")
 
 
 class PromptDraws:
@@ -34,25 +38,29 @@ class PromptDraws:
         return [i for i in picked for _ in range(self.group)]
 
 
-def check_async(cfg, roles_value_mode: str, distributed: bool) -> None:
-    """What --async_generation does not do yet, refused before the generator starts."""
+def check_async(cfg, value_mode: str, distributed: bool, policy_gradient: bool = True) -> None:
+    """What --async_generation does not do yet, refused before anything is loaded."""
     if not cfg.async_generation:
         return
-    problems = {
-        cfg.max_staleness < 0: (f"max_staleness must be >= 0, got {cfg.max_staleness}", "--max_staleness"),
-        cfg.generator_threads < 1: (f"generator_threads must be >= 1, got {cfg.generator_threads}",
-                                    "--generator_threads"),
-        cfg.generation_backend == "vllm": ("async_generation samples with the lean or hf backend, not vllm",
-                                           "--generation_backend"),
-        distributed: ("async_generation runs in one training process for now", "torchrun / accelerate launch"),
-        roles_value_mode == "lora_adapter": ("async_generation with value_mode lora_adapter (two adapters on one "
-                                             "base) is not supported", "--value_mode"),
-        cfg.lora_merge_generation: ("async_generation with lora_merge_generation is not supported",
-                                    "--lora_merge_generation"),
-    }
-    for bad, (message, where) in problems.items():
+    problems = [
+        (cfg.max_staleness < 0, f"max_staleness must be >= 0, got {cfg.max_staleness}", "--max_staleness"),
+        (cfg.generator_threads < 1, f"generator_threads must be >= 1, got {cfg.generator_threads}",
+         "--generator_threads"),
+        (cfg.generation_backend == "vllm", "async_generation samples with the lean or hf backend, not vllm",
+         "--generation_backend"),
+        (distributed, "async_generation runs in one training process for now", "torchrun / accelerate launch"),
+        (value_mode == "lora_adapter", "async_generation with value_mode lora_adapter (two adapters on one base) is "
+                                       "not supported", "--value_mode"),
+        (cfg.lora_merge_generation, "async_generation with lora_merge_generation is not supported",
+         "--lora_merge_generation"),
+    ]
+    for bad, message, where in problems:
         if bad:
             raise UserInputError(message, where, "drop --async_generation, or change the setting named")
+    if not policy_gradient and cfg.max_staleness > 0:
+        log.warning("--async_generation --max_staleness %d: this method's loss has no policy-gradient term to weight "
+                    "(online DPO's pairs), so its rollouts up to %d updates old are trained on uncorrected",
+                    cfg.max_staleness, cfg.max_staleness)
 
 
 class AsyncRollouts:
@@ -105,11 +113,12 @@ class AsyncRollouts:
 
 
 IN_FLIGHT = "in_flight."  # checkpoint tensor names of the rollouts in flight: in_flight.<update>.<field>
-GENERATED_FIELDS = ("query_ids", "query_mask", "response_ids", "response_mask", "ended_with_eos", "sampler_logprobs")
+GENERATED_FIELDS = tuple(f.name for f in dataclasses.fields(Generated))
 
 
-def in_flight_tensors(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {name: tensor for name, tensor in weights.items() if name.startswith(IN_FLIGHT)}
+def in_flight_tensors(state: dict) -> dict[str, torch.Tensor]:
+    """The tensors of the rollouts a checkpoint's state kept in flight (none in a synchronous run's)."""
+    return dict(state.get("in_flight_rollouts") or {})
 
 
 @contextmanager

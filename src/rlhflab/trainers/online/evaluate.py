@@ -28,7 +28,7 @@ class Evaluator:
     """Same prompts and decoding at every evaluation, so the curve compares like with like."""
 
     def __init__(self, validation: list[PromptRow], tokenizer, cfg, run: RunDir,
-                 verifier: rewards.Verifier | None, reward_fn=None):
+                 verifier: rewards.Verifier | None, reward_fn=None, steps_per_update: int = 1):
         if verifier is None and reward_fn is None:
             raise ValueError("Evaluator needs a verifier or a reward source")
         self.rows = validation[: cfg.eval_prompts]
@@ -37,6 +37,7 @@ class Evaluator:
         self.run = run
         self.verifier = verifier
         self.reward_fn = reward_fn
+        self.steps_per_update = steps_per_update  # optimiser steps an update: the reward's trainer_state.global_step
 
     @property
     def signal(self) -> str:
@@ -49,7 +50,7 @@ class Evaluator:
             answered = verify_rows(answered, self.rows, self.verifier)
             metrics, headline = self._pass_rates(answered)
         else:  # `step` updates are done: the reward functions are told so, as during training
-            metrics, headline = self._rewards(answered, rewards.ScoreContext(ids, step))
+            metrics, headline = self._rewards(answered, rewards.ScoreContext(ids, step * self.steps_per_update))
         self.run.add_samples({"step": step, "episode": episode, **row} for row in answered[: self.cfg.sample_prompts])
         metrics["episode"] = episode
         self.run.log(metrics, step=step)

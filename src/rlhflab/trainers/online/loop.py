@@ -61,13 +61,13 @@ log = logging.getLogger("rlhflab")
 
 
 def score_rollout(rollout: Rollout, reward_fn, tokenizer, rows: list[PromptRow], penalty: float,
-                  updates_done: int = 0):
+                  global_step: int = 0):
     """(B,) scores with the missing-EOS penalty, and (B,) validity of each row. The reward is told each
-    response's token ids (its EOS included, as TRL's `completion_ids`) and the updates done so far."""
+    response's token ids (its EOS included, as TRL's `completion_ids`) and the optimiser steps done so far."""
     texts = decode_responses(tokenizer, rollout.response_ids, rollout.response_mask, tokenizer.eos_token_id)
     ids = [[t for t, real in zip(row, mask) if real]
            for row, mask in zip(rollout.response_ids.tolist(), rollout.response_mask.tolist())]
-    context = rewards.ScoreContext(completion_ids=ids, global_step=updates_done)
+    context = rewards.ScoreContext(completion_ids=ids, global_step=global_step)
     scored = rewards.as_scored(rewards.score(reward_fn, [r.prompt for r in rows], texts, rows, context))
     if scored.scores.shape != (rollout.batch_size,):
         raise UserInputError(f"the reward returned {tuple(scored.scores.shape)} scores for {rollout.batch_size} responses",
@@ -80,7 +80,7 @@ def score_rollout(rollout: Rollout, reward_fn, tokenizer, rows: list[PromptRow],
 
 def rollout_of_update(ranks: OnlineRanks, update: int, batch_ids: list[int], prompt_ids: list[list[int]],
                       train_rows: list[PromptRow], reward_fn, tokenizer, settings: GenerationSettings, cfg,
-                      group: int, keep_graph: bool, sampled=None):
+                      group: int, keep_graph: bool, sampled=None, steps_per_update: int = 1):
     """Steps 2-3 for the global batch `batch_ids` (one train-prompt index per answer): this rank generates and
     scores its share of the prompts, then every rank's rows are gathered. Returns the global rollout,
     its (B,) scores and validity, and this rank's seconds of scoring. `sampled`: (responses, seconds waited)
@@ -95,7 +95,7 @@ def rollout_of_update(ranks: OnlineRanks, update: int, batch_ids: list[int], pro
                               place=place, response_width=world.max if world.distributed else None, sampled=sampled)
     t1 = time.time()
     scores, valid = score_rollout(rollout, reward_fn, tokenizer, [train_rows[i] for i in mine],
-                                  cfg.missing_eos_penalty, updates_done=update - 1)
+                                  cfg.missing_eos_penalty, global_step=(update - 1) * steps_per_update)
     if world.distributed:
         scores, valid = parallel.gather_rows(scores, world), parallel.gather_rows(valid.to(torch.uint8), world).bool()
     return gather_rollout(rollout, world), scores, valid, time.time() - t1
@@ -204,7 +204,8 @@ def train_online(cfg, algorithm: Algorithm, run: RunDir | None = None, reward_fn
     world = parallel.init_world(cfg.device)
     check_online_config(cfg, algorithm.epochs, algorithm.samples_per_prompt)
     check_world(cfg, algorithm.samples_per_prompt, algorithm.whole_groups, world)
-    check_async(cfg, getattr(cfg, "value_mode", "none") if algorithm.critic else "none", world.distributed)
+    check_async(cfg, getattr(cfg, "value_mode", "none") if algorithm.critic else "none", world.distributed,
+                algorithm.policy_gradient)
     # before any model is loaded: what the device cannot do is refused here (models/precision.py)
     precision = precision_from_config(cfg, world.device, parallel.resolve_strategy(cfg.parallel_strategy, world))
     configure_threads(world.threads(trainer_threads(cfg)))
@@ -240,7 +241,8 @@ def train_online(cfg, algorithm: Algorithm, run: RunDir | None = None, reward_fn
     # one minibatch of one micro-batch: the rollout's policy forward is also the first training forward
     keep_graph = cfg.reuse_rollout_forward and cfg.num_mini_batches == 1 and cfg.gradient_accumulation_steps == 1 \
         and not world.distributed  # several processes: a rank trains on other ranks' rows too
-    evaluator = Evaluator(prompts.validation, tokenizer, cfg, run, verifier, reward_fn)
+    steps_per_update = algorithm.epochs * cfg.num_mini_batches  # optimiser steps: TRL's trainer_state.global_step
+    evaluator = Evaluator(prompts.validation, tokenizer, cfg, run, verifier, reward_fn, steps_per_update)
     signal = evaluator.signal  # val/pass_rate (verifier) or val/reward: what keep_best and the monitor read
     if getattr(monitor, "signal", signal) != signal:
         raise ValueError(f"the monitor watches {monitor.signal} but this run's held-out signal is {signal}")
@@ -278,6 +280,8 @@ def train_online(cfg, algorithm: Algorithm, run: RunDir | None = None, reward_fn
     done, episode, finished, skipped = progress.update, progress.episode, progress.finished, progress.skipped
     budget_stop = progress.budget_stop
     draws = PromptDraws(order, prompt_order, cfg.batch_size // group, group, len(train_rows))
+    if progress.in_flight and not cfg.async_generation:  # an async checkpoint resumed synchronously: the prompts
+        draws.order = [ids[i] for _, ids, _ in progress.in_flight for i in range(0, len(ids), group)] + draws.order
 
     def pack():  # reads the loop's variables
         in_flight, rollouts = ahead.in_flight() if ahead is not None else ([], {})
@@ -289,7 +293,7 @@ def train_online(cfg, algorithm: Algorithm, run: RunDir | None = None, reward_fn
     resumed_at = resumed.step if resumed is not None else None  # that checkpoint is on disk already
     with checkpointer(run, cfg, resumed_at, ranks, optimizer) as saver, async_rollouts(  # SIGINT / SIGTERM handlers
             cfg, roles, tokenizer, settings, draws, prompt_ids, start, num_updates, progress.in_flight,
-            in_flight_tensors(resumed.weights) if resumed is not None else {}) as ahead:
+            in_flight_tensors(resumed.state) if resumed is not None else {}) as ahead:
         if ahead is not None:  # the generator process's start (imports, the policy's copy): set-up, not an update
             walls["setup"] += ahead.generator.startup_s
         bar = tqdm(range(start + 1, num_updates + 1), desc=algorithm.name, unit="update",
@@ -298,20 +302,22 @@ def train_online(cfg, algorithm: Algorithm, run: RunDir | None = None, reward_fn
             t0 = time.time()
             # 1. prompts, each asked `group` times (the global batch: the same on every rank); asynchronous: the
             # prompts drawn when the rollout was asked for, and what the generator sampled for them
-            sampled, staleness, async_metrics = None, 0, {}
+            sampled, staleness, async_metrics, sampling_seconds = None, 0, {}, None
             if ahead is None:
                 batch_ids = draws.next()
             else:
                 batch_ids, delivered, waited = ahead.take(update)
                 sampled, staleness = (delivered.generated, waited), update - 1 - delivered.version
+                sampling_seconds = delivered.seconds  # the generator's own, not the wait for it
                 async_metrics = {"async/staleness": staleness, "async/wait_s": waited,
                                  "async/generator_s": delivered.seconds}
             # 2. rollout: generate, then old / reference log-probs (and values) in one pass each
             # 3. scores, with the missing-EOS penalty; rows the reward failed on are masked out
             rollout, scores, valid, scoring = rollout_of_update(ranks, update, batch_ids, prompt_ids, train_rows,
                                                                 reward_fn, tokenizer, settings, cfg, group, keep_graph,
-                                                                sampled)
+                                                                sampled, steps_per_update)
             t1 = time.time() - scoring
+            sampling_seconds = rollout.seconds["generation"] if sampling_seconds is None else sampling_seconds
             if not valid.any():
                 raise FloatingPointError(f"update {update}: the reward source failed on every row of the batch")
             batch = with_sampler_weights(scored_batch(rollout, scores, valid, group), cfg, algorithm.policy_gradient,
@@ -344,7 +350,7 @@ def train_online(cfg, algorithm: Algorithm, run: RunDir | None = None, reward_fn
             last = {
                 **rollout_metrics(batch, batch_ids), **adv.metrics, **algorithm.step_metrics(stats),
                 "lr": scheduler.get_last_lr()[0], "episode": episode, "eps": cfg.batch_size / (t3 - t0),
-                "tokens_per_s": generated_tokens / max(rollout.seconds["generation"], 1e-9),
+                "tokens_per_s": generated_tokens / max(sampling_seconds, 1e-9),
                 "time/generation": rollout.seconds["generation"],
                 "time/scoring": rollout.seconds["forward"] + (t2 - t1), "time/training": t3 - t2,
                 **({"nonfinite/skipped_updates": skipped} if cfg.nonfinite == "skip" else {}),

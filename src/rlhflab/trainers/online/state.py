@@ -41,7 +41,8 @@ class Progress:
     skipped: int = 0  # optimiser steps dropped by nonfinite=skip so far
     walls: dict = field(default_factory=dict)  # seconds of the cycle so far ("loop", "evaluation", "save")
     budget_stop: dict | None = None  # where max_seconds stopped the run
-    in_flight: list = field(default_factory=list)  # [[update, prompt indices]] asked of an async generator, not trained
+    # [[update, prompt indices, weights' version]] sampled by an async generator and not trained on yet
+    in_flight: list = field(default_factory=list)
 
 
 def role_modules(roles: PolicyRoles) -> dict[str, torch.nn.Module]:
@@ -53,13 +54,15 @@ def pack_online(roles: PolicyRoles, optimizer, scheduler, algorithm, generators:
                 progress: Progress, watch: RunWatch, sharded: bool = False,
                 rollouts: dict[str, torch.Tensor] | None = None) -> tuple[dict[str, torch.Tensor], dict]:
     """(weights, state) of a checkpoint; `sharded`: weights and moments are written apart by every rank;
-    `rollouts`: tensors of the rollouts an asynchronous generator had in flight (beside the weights)."""
+    `rollouts`: tensors of the rollouts an asynchronous generator had in flight (in the state, beside the
+    optimiser's moments)."""
     state = {"scheduler": scheduler.state_dict(), "algorithm": algorithm.state_dict(), "rng": rng_state(generators),
              "progress": dict(vars(progress)), "watch": watch.state_dict(),
-             "amp": roles.precision.state_dict()}  # fp16's loss scale and skipped steps
+             "amp": roles.precision.state_dict(),  # fp16's loss scale and skipped steps
+             "in_flight_rollouts": rollouts or {}}
     if sharded:
         return {}, state
-    return {**trainable_weights(role_modules(roles)), **(rollouts or {})}, {"optimizer": optimizer.state_dict(), **state}
+    return trainable_weights(role_modules(roles)), {"optimizer": optimizer.state_dict(), **state}
 
 
 def unpack_online(resumed: Resumed, roles: PolicyRoles, optimizer, scheduler, algorithm,
@@ -73,8 +76,7 @@ def unpack_online(resumed: Resumed, roles: PolicyRoles, optimizer, scheduler, al
         load_optimiser(optimizer, scheduler, state, where,
                        load_moments=lambda: trained.load_sharded(optimizer, resumed.checkpoint / SHARDED))
     else:
-        weights = {name: t for name, t in resumed.weights.items() if not name.startswith("in_flight.")}
-        load_trainable_weights(role_modules(roles), weights, str(resumed.checkpoint / "model.safetensors"))
+        load_trainable_weights(role_modules(roles), resumed.weights, str(resumed.checkpoint / "model.safetensors"))
         load_optimiser(optimizer, scheduler, state, where)  # config's lr etc.
     algorithm.load_state_dict(state["algorithm"])
     watch.load_state_dict(state["watch"])
