@@ -151,8 +151,9 @@ def test_bad_input_is_refused_before_any_model_is_loaded_and_an_earlier_run_is_k
     missing = Dataset.from_list([{"question": "Add 1 and 1.", "answer": "2"}] * 8)
     trainer = rlhflab.GRPOTrainer(model=model, processing_class=tokenizer, reward_funcs=[correct],
                                   train_dataset=missing, args=GRPOConfig(output_dir=str(tmp_path / "run"), **SETTINGS))
-    with pytest.raises(UserInputError, match="prompt"):
+    with pytest.raises(UserInputError, match="train_dataset.*no valid prompts rows"):
         trainer.train()
+    assert not (tmp_path / "run" / "inputs" / "train.parquet").exists()  # refused rows never took a place
     (tmp_path / "old").mkdir()
     (tmp_path / "old" / "config.yaml").write_text("an earlier run\n")
     trainer = rlhflab.GRPOTrainer(model=model, processing_class=tokenizer, reward_funcs=[correct],

@@ -64,10 +64,12 @@ def reward_functions(funcs: Any, weights: Sequence[float] | None
     return specs, held
 
 
-def write_dataset(dataset: Any, path: Path, what: str, resumed: bool = False, allow_change: bool = False) -> str:
+def write_dataset(dataset: Any, path: Path, what: str, kind: str, resumed: bool = False,
+                  allow_change: bool = False) -> str:
     """A dataset handed in memory, written where the stage reads it; a str (file, folder or dataset name) as is.
-    `resumed`: the run folder already holds the rows the run trained on, and other rows are refused (unless
-    `allow_change`), as a changed config is."""
+    Its rows are checked as `kind` ("sft", "pairs", "prompts") before they take their place, so rows the stage
+    would refuse never replace what the folder held. `resumed`: the run folder already holds the rows the run
+    trained on, and other rows are refused (unless `allow_change`), as a changed config is."""
     if isinstance(dataset, (str, Path)):
         return str(dataset)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -76,7 +78,7 @@ def write_dataset(dataset: Any, path: Path, what: str, resumed: bool = False, al
             raise UserInputError(f"{what} has no rows", what)
         target = path.with_suffix(".parquet")
         dataset.to_parquet(str(_partial(target)))
-        return _put_in_place(target, what, resumed, allow_change)
+        return _put_in_place(target, what, kind, resumed, allow_change)
     rows = list(dataset) if isinstance(dataset, Sequence) or hasattr(dataset, "__iter__") else None
     if rows is None or not rows:
         raise UserInputError(f"{what} is {'empty' if rows == [] else f'a {type(dataset).__name__}'}", what,
@@ -92,23 +94,31 @@ def write_dataset(dataset: Any, path: Path, what: str, resumed: bool = False, al
             except (TypeError, ValueError) as err:
                 raise UserInputError(f"{what} row {i} cannot be written as JSON ({err})", what,
                                      "keep to strings, numbers, bools, lists and dicts in the rows") from err
-    return _put_in_place(target, what, resumed, allow_change)
+    return _put_in_place(target, what, kind, resumed, allow_change)
 
 
-def _put_in_place(target: Path, what: str, resumed: bool, allow_change: bool) -> str:
-    """The written partial file moved to `target`, whole or not at all (every process of a launch writes the same
-    rows); on a resume, rows other than the run's are refused and the run's file is left as it was."""
+def _put_in_place(target: Path, what: str, kind: str, resumed: bool, allow_change: bool) -> str:
+    """The written partial file, checked, moved to `target`, whole or not at all (every process of a launch writes
+    the same rows); on a resume, rows other than the run's are refused and the run's file is left as it was."""
+    from rlhflab.data import load_examples
+
     partial = _partial(target)
-    if resumed and target.is_file() and not filecmp.cmp(partial, target, shallow=False) and not allow_change:
+    try:
+        load_examples(partial, kind)  # the rows' shape (the stage checks their lengths with its tokenizer)
+        if resumed and target.is_file() and not filecmp.cmp(partial, target, shallow=False) and not allow_change:
+            raise UserInputError(f"{what} holds other rows than the run being resumed trained on ({target})", what,
+                                 "resume with the same data, or pass allow_config_change=True to continue on them")
+    except UserInputError as err:  # named by the argument, not by the file it was written to
         partial.unlink()
-        raise UserInputError(f"{what} holds other rows than the run being resumed trained on ({target})", what,
-                             "resume with the same data, or pass allow_config_change=True to continue on these rows")
+        named = lambda text: text and text.replace(str(partial), what)  # noqa: E731
+        raise UserInputError(named(err.what), named(err.where) or what, err.fix) from err
     os.replace(partial, target)
     return str(target)
 
 
 def _partial(target: Path) -> Path:
-    return target.with_name(f".{target.name}.{os.getpid()}.partial")
+    """Where `target` is written first: hidden, this process's own, with the suffix its reader knows it by."""
+    return target.with_name(f".{target.stem}.{os.getpid()}.partial{target.suffix}")
 
 
 def write_model(model: Any, processing_class: Any, folder: Path, what: str) -> tuple[str, str]:

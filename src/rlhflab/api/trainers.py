@@ -57,6 +57,7 @@ class Trainer:
 
     stage = ""
     config_class: type = object
+    data_kind = "prompts"  # what its rows are (rlhflab.data.validate): sft, pairs or prompts
 
     def __init__(self, model: Any = None, args: Any = None, train_dataset: Any = None, eval_dataset: Any = None,
                  processing_class: Any = None, peft_config: Any = None, callbacks: list[Callback] | None = None):
@@ -94,7 +95,7 @@ class Trainer:
                                                       self.processing_class, inputs, "model")
             if tokenizer:
                 changes["tokenizer"] = tokenizer
-        resumed = dict(resumed=bool(args.resume), allow_change=args.allow_config_change)
+        resumed = dict(kind=self.data_kind, resumed=bool(args.resume), allow_change=args.allow_config_change)
         if self.train_dataset is not None:
             changes["train_file"] = write_dataset(self.train_dataset, inputs / "train", "train_dataset", **resumed)
         if self.eval_dataset is not None:
@@ -129,13 +130,13 @@ def several_processes() -> bool:
 class SFTTrainer(Trainer):
     """Supervised fine-tuning on prompt / completion (or messages, or text) rows."""
 
-    stage, config_class = "sft", SFTConfig
+    stage, config_class, data_kind = "sft", SFTConfig, "sft"
 
 
 class RewardTrainer(Trainer):
     """A scalar reward model on (prompt, chosen, rejected) pairs with Bradley-Terry."""
 
-    stage, config_class = "rm", RMConfig
+    stage, config_class, data_kind = "rm", RMConfig, "pairs"
 
 
 class DPOTrainer(Trainer):
@@ -143,7 +144,7 @@ class DPOTrainer(Trainer):
     policy's starting weights when None. `verifier` (TRL's reward-function signature, returning bools) gives
     the validation pass rate."""
 
-    stage, config_class = "dpo", DPOConfig
+    stage, config_class, data_kind = "dpo", DPOConfig, "pairs"
 
     def __init__(self, model: Any = None, ref_model: Any = None, args: Any = None, train_dataset: Any = None,
                  eval_dataset: Any = None, processing_class: Any = None, peft_config: Any = None,
