@@ -123,7 +123,9 @@ def byte_tokenizer(vocab_size: int):
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.add_special_tokens([PAD, EOS])
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token=PAD, eos_token=EOS)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token=PAD, eos_token=EOS)
+    assert len(fast) == vocab_size, (len(fast), vocab_size)
+    return fast
 
 
 def build_model_folder(folder: Path, shape: Shape) -> int:

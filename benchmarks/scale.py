@@ -65,6 +65,7 @@ import time  # noqa: E402
 from dataclasses import asdict, dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+from gpu_check_cases import byte_tokenizer  # noqa: E402  (the same 151,936-piece tokenizer as the GPU check)
 from scale_table import results_table, summary_line, write_results  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -75,7 +76,6 @@ TRL116_PYTHON = HERE / ".venv-trl116" / "bin" / "python"
 TRL112_PYTHON = HERE / ".venv-trl" / "bin" / "python"
 REWARD_FN = HERE / "scale_reward.py"
 
-PAD, EOS = "<|pad|>", "<|endoftext|>"
 RECIPE = "scale-v1"  # bump when the model / tokenizer / prompts recipe changes: the cache is rebuilt
 
 SHAPES = {
@@ -136,29 +136,6 @@ def row_names(spec: str) -> list[str]:
 
 
 # --- the model, its tokenizer and the prompts (built in a child: the driver never imports torch) ---------------
-
-
-def byte_tokenizer(vocab_size: int):
-    """A byte-level BPE without merges and with exactly `vocab_size` pieces: pad, EOS, the 256 byte symbols,
-    then byte pairs and triples. Text encodes one byte per token; every id decodes to bytes."""
-    import itertools
-
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    symbols = sorted(pre_tokenizers.ByteLevel.alphabet())
-    vocab = {PAD: 0, EOS: 1}
-    for piece in itertools.chain(symbols, ("".join(p) for n in (2, 3) for p in itertools.product(symbols, repeat=n))):
-        if len(vocab) >= vocab_size:
-            break
-        vocab[piece] = len(vocab)
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.add_special_tokens([PAD, EOS])
-    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token=PAD, eos_token=EOS)
-    assert len(fast) == vocab_size, (len(fast), vocab_size)
-    return fast
 
 
 def qwen2_config(shape: dict, **extra):

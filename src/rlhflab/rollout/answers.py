@@ -29,6 +29,12 @@ def decode_responses(tokenizer, response_ids: torch.Tensor, response_mask: torch
     return texts
 
 
+def response_tokens(response_ids: torch.Tensor, response_mask: torch.Tensor) -> list[list[int]]:
+    """(B, T) ids -> each response's tokens, its EOS included, padding left out (TRL's `completion_ids`)."""
+    return [[tok for tok, real in zip(ids, mask) if real]
+            for ids, mask in zip(response_ids.tolist(), response_mask.tolist())]
+
+
 def generate_answers(
     model: torch.nn.Module,
     tokenizer,
@@ -51,9 +57,8 @@ def generate_answers(
             settings=settings, generator=generator,
         )
         texts = decode_responses(tokenizer, out.response_ids, out.response_mask, tokenizer.eos_token_id)
-        ids = [tuple(t for t, real in zip(row, mask) if real)
-               for row, mask in zip(out.response_ids.tolist(), out.response_mask.tolist())]
-        for text, eos, tokens in zip(texts, out.ended_with_eos.tolist(), ids):
+        ids = response_tokens(out.response_ids, out.response_mask)
+        for text, eos, tokens in zip(texts, out.ended_with_eos.tolist(), map(tuple, ids)):
             answers.append(Answer(text=text, ended_with_eos=bool(eos), num_tokens=len(tokens), token_ids=tokens))
     model.train(was_training)
     return answers

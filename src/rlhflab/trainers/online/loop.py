@@ -35,7 +35,7 @@ from rlhflab.core import masked_mean, sampler_correction_weights
 from rlhflab.data.prompt_rows import PromptRow
 from rlhflab.errors import UserInputError
 from rlhflab.models.precision import precision_from_config
-from rlhflab.rollout import GenerationSettings, decode_responses
+from rlhflab.rollout import GenerationSettings, decode_responses, response_tokens
 from rlhflab.rollout.backends import generation_autocast
 from rlhflab.rollout.diversity import diversity_metrics
 from rlhflab.rollout.rollout import Rollout, collect_rollout
@@ -65,9 +65,8 @@ def score_rollout(rollout: Rollout, reward_fn, tokenizer, rows: list[PromptRow],
     """(B,) scores with the missing-EOS penalty, and (B,) validity of each row. The reward is told each
     response's token ids (its EOS included, as TRL's `completion_ids`) and the optimiser steps done so far."""
     texts = decode_responses(tokenizer, rollout.response_ids, rollout.response_mask, tokenizer.eos_token_id)
-    ids = [[t for t, real in zip(row, mask) if real]
-           for row, mask in zip(rollout.response_ids.tolist(), rollout.response_mask.tolist())]
-    context = rewards.ScoreContext(completion_ids=ids, global_step=global_step)
+    context = rewards.ScoreContext(completion_ids=response_tokens(rollout.response_ids, rollout.response_mask),
+                                   global_step=global_step)
     scored = rewards.as_scored(rewards.score(reward_fn, [r.prompt for r in rows], texts, rows, context))
     if scored.scores.shape != (rollout.batch_size,):
         raise UserInputError(f"the reward returned {tuple(scored.scores.shape)} scores for {rollout.batch_size} responses",
