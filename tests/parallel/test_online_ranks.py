@@ -1,7 +1,8 @@
 """The online methods in 2 processes (torchrun, gloo on CPU) against 1 process at the same global batch.
 
-One torchrun launch trains GRPO and PPO under DDP and FSDP2 and RLOO under DDP (tests/parallel/
-online_ranks_driver.py); the same configs run here in one process. Checked: the weights after 3 updates
+One torchrun launch trains GRPO and PPO under DDP and FSDP2, RLOO under DDP and GRPO with --async_generation
+(2 trainer processes, rank 0's generator process: 3 processes) (tests/parallel/online_ranks_driver.py); the same
+configs run here in one process. Checked: the weights after 3 updates
 (max abs difference <= 1e-5, float32), metrics.jsonl (timing fields aside), that rank 0 alone wrote the
 one run folder, checkpoints recording their layout (FSDP2: shards); then a PPO FSDP2 job killed with SIGKILL
 after a checkpoint and resumed equals the uninterrupted run, its checkpoint is refused by 1 process with
@@ -47,7 +48,11 @@ RUNS = {  # name -> (stage, strategy, the stage's own arguments)
     "ppo-ddp": ("ppo", "ddp", ["--learning_rate", "1e-3", "--adaptive_kl", "true", "--kl_target", "0.5"]),
     "ppo-fsdp2": ("ppo", "fsdp2", ["--learning_rate", "1e-3", "--adaptive_kl", "true", "--kl_target", "0.5"]),
     "rloo-ddp": ("rloo", "ddp", ["--num_generations", "4", "--learning_rate", "1e-2"]),
+    # rank 0's generator process samples every rollout with weights one update old (rollout/async_generator.py)
+    "grpo-ddp-async": ("grpo", "ddp", ["--num_generations", "4", "--learning_rate", "1e-2", "--async_generation",
+                                       "true", "--max_staleness", "1"]),
 }
+ASYNC_CLOCKS = ("async/wait_s", "async/generator_s")  # the generator's and the wait's seconds
 # one update of one minibatch (2 micro-batches a rank) under bf16 autocast, in the same launch: the first step's
 # ratio is exactly 1 and KL exactly 0 whatever the world size (DESIGN.md); name -> (RUNS entry, extra flags)
 FIRST_STEP_BF16 = {f"{name}-bf16": (name, ["--bf16", "--num_mini_batches", "1", "--total_episodes", "8",
@@ -157,22 +162,36 @@ def one_process(setup):
     """The same configs in this process (the single-process path); strategy is ignored in one process."""
     root, policy_dir, reward = setup
     out = root / "one"
-    for name in ("grpo-ddp", "ppo-ddp", "rloo-ddp"):
-        train_here(run_args(name, policy_dir, reward, out / name.split("-")[0]))
+    for name in ("grpo-ddp", "ppo-ddp", "rloo-ddp", "grpo-ddp-async"):
+        train_here(run_args(name, policy_dir, reward, out / one_of(name)))
     return out
+
+
+def one_of(name: str) -> str:
+    """The one-process run a 2-process RUNS entry is compared with: the same without the strategy."""
+    return name.replace("-ddp", "").replace("-fsdp2", "")
 
 
 @pytest.mark.parametrize("name", list(RUNS))
 def test_two_processes_train_what_one_process_trains(two_processes, one_process, name):
     work, wall = two_processes
     stage, strategy, _ = RUNS[name]
-    difference = max_weight_difference(one_process / stage, work / name)
+    difference = max_weight_difference(one_process / one_of(name), work / name)
     print(f"\n{name}: max |w1 - w2| = {difference:.2e} over 3 updates (2-process launch of all runs: {wall:.0f} s)")
     assert difference <= 1e-5
-    assert_same_metrics(one_process / stage, work / name, THRESHOLD_COUNTS if strategy == "fsdp2" else ())
+    assert_same_metrics(one_process / one_of(name), work / name,
+                        (THRESHOLD_COUNTS if strategy == "fsdp2" else ()) + ASYNC_CLOCKS)
     summary = json.loads((work / name / "summary.json").read_text())
     assert summary["parallel"]["world_size"] == 2 and summary["parallel"]["strategy"] == strategy
     assert summary["updates"] == 3 and summary["episodes"] == 24  # global batches: 3 x 8 answers, not 3 x 16
+
+
+def test_two_trainer_processes_train_on_rollouts_of_one_generator_at_most_one_update_stale(two_processes):
+    work, _ = two_processes
+    rows = [r for r in metrics(work / "grpo-ddp-async") if "async/staleness" in r]
+    assert [r["async/staleness"] for r in rows] == [0, 1, 1]  # update 1: the starting weights are its own
+    assert "sampler/is_weight_mean" not in rows[0]  # sampled with the trainer's own weights: nothing to correct
+    assert all(0 < r["sampler/is_weight_mean"] <= 3 for r in rows[1:])  # token_truncate weights (cap 3) applied
 
 
 @pytest.mark.parametrize("name", list(FIRST_STEP_BF16))
@@ -199,9 +218,9 @@ def test_rank_0_alone_writes_one_run_folder_and_checkpoints_record_their_layout(
     for name, (stage, strategy, _) in RUNS.items():
         run = work / name
         listing = sorted(p.name for p in run.iterdir())
-        assert listing == sorted(p.name for p in (one_process / stage).iterdir()), name
+        assert listing == sorted(p.name for p in (one_process / one_of(name)).iterdir()), name
         assert len((run / "samples.jsonl").read_text().splitlines()) == \
-            len((one_process / stage / "samples.jsonl").read_text().splitlines())
+            len((one_process / one_of(name) / "samples.jsonl").read_text().splitlines())
         steps = complete_checkpoints(run / "checkpoints")
         assert [int(p.name.split("-")[1]) for p in steps] == [1, 2, 3]
         _, weights, state = load_checkpoint(steps[-1])

@@ -16,6 +16,7 @@ from tinyhf import save_suite_model
 from rlhflab.config import GRPOConfig, PPOConfig
 from rlhflab.errors import UserInputError
 from rlhflab.trainers import grpo, ppo
+from rlhflab.trainers.online.async_rollouts import check_async
 
 # one thread each side: the same arithmetic in both processes (what k = 0's bitwise equality needs)
 SMALL = dict(batch_size=16, total_episodes=64, response_length=8, eval_every=0, eval_prompts=8, progress=False,
@@ -45,13 +46,25 @@ def weights(run_dir):
     return load_file(str(run_dir / "model" / "model.safetensors"))
 
 
-@pytest.mark.parametrize(("stage", "cls", "extra"), [(grpo, GRPOConfig, {"num_generations": 4}), (ppo, PPOConfig, {})])
+def all_weights(run_dir):
+    """Every tensor the run saved (policy, adapters, value head or adapter), by file and name."""
+    return {(p.relative_to(run_dir).as_posix(), k): t for p in sorted(run_dir.glob("*/*.safetensors"))
+            for k, t in load_file(str(p)).items()}
+
+
+@pytest.mark.parametrize(("stage", "cls", "extra"), [
+    (grpo, GRPOConfig, {"num_generations": 4}),
+    (ppo, PPOConfig, {}),
+    (grpo, GRPOConfig, {"num_generations": 4, "lora_r": 4, "lora_merge_generation": True}),  # merged in the copy
+    (ppo, PPOConfig, {"lora_r": 4, "value_mode": "lora_adapter"}),  # the copy samples with the policy adapter
+], ids=["grpo", "ppo", "grpo-lora-merged", "ppo-lora-value-adapter"])
 def test_k0_is_the_synchronous_run_bit_for_bit(policy_dir, tmp_path, stage, cls, extra):
     sync = stage.train(cls(model=policy_dir, output_dir=str(tmp_path / "sync"), **SMALL, **extra))
     asynchronous = stage.train(cls(model=policy_dir, output_dir=str(tmp_path / "async"), async_generation=True,
                                    max_staleness=0, **SMALL, **extra))
     assert [u["async/staleness"] for u in updates(asynchronous.run_dir)] == [0, 0, 0, 0]
-    a, b = weights(sync.run_dir), weights(asynchronous.run_dir)
+    a, b = all_weights(sync.run_dir), all_weights(asynchronous.run_dir)
+    assert a.keys() == b.keys() and len(a) > 2
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert [u["objective/scores"] for u in updates(sync.run_dir)] == [u["objective/scores"]
                                                                       for u in updates(asynchronous.run_dir)]
@@ -114,9 +127,8 @@ def test_what_async_generation_does_not_do_is_refused(policy_dir, tmp_path):
     with pytest.raises(UserInputError, match="max_staleness must be >= 0"):
         grpo.train(GRPOConfig(model=policy_dir, output_dir=str(tmp_path / "a"), async_generation=True,
                               max_staleness=-1, num_generations=4, **SMALL))
-    with pytest.raises(UserInputError, match="lora_merge_generation"):
-        grpo.train(GRPOConfig(model=policy_dir, output_dir=str(tmp_path / "b"), async_generation=True, lora_r=4,
-                              lora_merge_generation=True, num_generations=4, **SMALL))
+    with pytest.raises(UserInputError, match="runs under ddp, not fsdp2"):
+        check_async(GRPOConfig(model=policy_dir, async_generation=True), "fsdp2")
 
 
 def test_ctrl_c_reaching_the_generator_too_still_checkpoints_and_the_run_resumes(policy_dir, tmp_path):

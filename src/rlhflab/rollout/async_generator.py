@@ -23,6 +23,7 @@ stale sampler, with weight 1 exactly when k = 0.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import os
@@ -38,6 +39,7 @@ from dataclasses import dataclass
 import torch
 import torch.multiprocessing as mp
 
+from rlhflab import models
 from rlhflab.models.precision import MixedPrecision
 from rlhflab.rollout.backends import HF, generate_with, generation_autocast, use_backend
 from rlhflab.rollout.generate import Generated, GenerationSettings
@@ -56,6 +58,7 @@ class GeneratorJob:
     backend: str  # lean or hf
     threads: int
     autocast: str  # "no", "bf16", "fp16": the run's mixed precision (sampling runs in the training forward's)
+    merge_lora: bool = False  # sample with the LoRA adapter merged into the weights (--lora_merge_generation)
 
 
 @dataclass(frozen=True)
@@ -225,7 +228,8 @@ def sampler_of(policy: torch.nn.Module, slots: list[dict[str, torch.Tensor]], ve
                 for name, tensor in params.items():
                     tensor.copy_(slots[slot][name])
             loaded[0] = version
-        with torch.no_grad(), generation_autocast(policy, autocast):
+        merged = models.merged_adapter(policy) if job.merge_lora else contextlib.nullcontext()
+        with torch.no_grad(), merged, generation_autocast(policy, autocast):
             out = generate_with(policy, prompts, pad_id=job.pad_id, eos_id=job.eos_id, settings=job.settings,
                                 generator=torch.Generator(device=device).manual_seed(seed))
         return Delivered(update, version, out, time.perf_counter() - started)

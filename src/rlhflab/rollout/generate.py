@@ -52,6 +52,16 @@ class Generated:
     # from (temperature, top-k / top-p applied); 0 where masked; None where the sampler does not report it
     sampler_logprobs: Tensor | None = None
 
+    def apply(self, change) -> Generated:
+        """A copy with `change(tensor)` applied to each tensor field (None stays None)."""
+        return Generated(*(None if t is None else change(t) for t in (
+            self.query_ids, self.query_mask, self.response_ids, self.response_mask, self.ended_with_eos,
+            self.sampler_logprobs)))
+
+    def rows(self, first: int, count: int) -> Generated:
+        """Rows first .. first + count - 1 (one rank's share of a global batch), at the batch's widths."""
+        return self.apply(lambda t: t[first : first + count])
+
 
 def filter_logits(logits: Tensor, top_k: int, top_p: float) -> Tensor:
     """Set logits outside the top-k / nucleus (top-p) set to -inf. (B, V) -> (B, V)."""

@@ -3,6 +3,11 @@
 Prompts come from shuffled passes over the train split drawn from a generator of their own, apart from the
 minibatch shuffles', so the prompts of update u are the same whether they are drawn when update u starts
 (the synchronous loop) or k updates earlier (an asynchronous run asks for its rollouts ahead).
+
+Several processes (DDP): rank 0 alone starts the generator, which samples the whole global batch as one process
+would (the same tokens: the sampling noise is drawn for the global batch, trainers/online/ranks.py); rank 0
+pushes its weights (the same on every rank) and broadcasts each delivered rollout, of which every rank keeps
+its share, so an async run in W processes trains what it trains in one.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from collections.abc import Iterator
 
 import torch
 
+from rlhflab import parallel
 from rlhflab.errors import UserInputError
 from rlhflab.rollout.async_generator import AsyncGenerator, Delivered, GeneratorJob
 from rlhflab.rollout.generate import Generated, GenerationSettings
@@ -38,8 +44,9 @@ class PromptDraws:
         return [i for i in picked for _ in range(self.group)]
 
 
-def check_async(cfg, value_mode: str, distributed: bool, policy_gradient: bool = True) -> None:
-    """What --async_generation does not do yet, refused before anything is loaded."""
+def check_async(cfg, strategy: str, policy_gradient: bool = True) -> None:
+    """What --async_generation does not do yet, refused before anything is loaded. `strategy`: the resolved
+    parallel strategy ("none" in one process)."""
     if not cfg.async_generation:
         return
     problems = [
@@ -48,11 +55,8 @@ def check_async(cfg, value_mode: str, distributed: bool, policy_gradient: bool =
          "--generator_threads"),
         (cfg.generation_backend == "vllm", "async_generation samples with the lean or hf backend, not vllm",
          "--generation_backend"),
-        (distributed, "async_generation runs in one training process for now", "torchrun / accelerate launch"),
-        (value_mode == "lora_adapter", "async_generation with value_mode lora_adapter (two adapters on one base) is "
-                                       "not supported", "--value_mode"),
-        (cfg.lora_merge_generation, "async_generation with lora_merge_generation is not supported",
-         "--lora_merge_generation"),
+        (strategy not in ("none", "ddp"), f"async_generation pushes whole weights from rank 0: it runs under ddp, "
+                                           f"not {strategy}, whose ranks hold parts of them", "--parallel_strategy"),
     ]
     for bad, message, where in problems:
         if bad:
@@ -64,13 +68,23 @@ def check_async(cfg, value_mode: str, distributed: bool, policy_gradient: bool =
 
 
 class AsyncRollouts:
-    """Which rollouts the generator was asked for (update -> the prompt indices drawn for it), and the calls."""
+    """Which rollouts the generator was asked for (update -> the prompt indices drawn for it), and the calls.
 
-    def __init__(self, generator: AsyncGenerator, draws: PromptDraws, prompt_ids: list[list[int]], seed: int,
-                 num_updates: int):
+    Every rank keeps the same books (the same draws); only rank 0 holds the generator (`generator` None on the
+    others) and talks to it."""
+
+    def __init__(self, generator: AsyncGenerator | None, draws: PromptDraws, prompt_ids: list[list[int]], seed: int,
+                 num_updates: int, max_staleness: int, world: parallel.World = parallel.SINGLE,
+                 device: torch.device | None = None):
         self.generator, self.draws, self.prompt_ids = generator, draws, prompt_ids
-        self.seed, self.num_updates = seed, num_updates
+        self.seed, self.num_updates, self.max_staleness = seed, num_updates, max_staleness
+        self.world, self.device = world, device
         self.asked: dict[int, list[int]] = {}
+
+    @property
+    def startup_s(self) -> float:
+        """Seconds the generator process took to start (its imports, the policy's copy): rank 0's."""
+        return self.generator.startup_s if self.generator is not None else 0.0
 
     def ask(self, update: int, batch_ids: list[int] | None = None) -> None:
         """Ask for rollout `update` (prompts drawn now unless given: a checkpoint's in-flight rollouts)."""
@@ -78,24 +92,34 @@ class AsyncRollouts:
             return
         batch_ids = self.draws.next() if batch_ids is None else batch_ids
         self.asked[update] = batch_ids
-        self.generator.ask(update, [self.prompt_ids[i] for i in batch_ids], rollout_seed(self.seed, update))
+        if self.generator is not None:
+            self.generator.ask(update, [self.prompt_ids[i] for i in batch_ids], rollout_seed(self.seed, update))
 
     def take(self, update: int) -> tuple[list[int], Delivered, float]:
-        """Rollout `update`: its prompt indices, what the generator delivered, and the seconds waited for it."""
+        """Rollout `update`: its prompt indices, what the generator delivered (the whole global batch, on every
+        rank: rank 0 broadcasts it, or the generator's failure) and the seconds waited for it."""
         started = time.time()
-        delivered = self.generator.receive(update)
+        if not self.world.distributed:
+            delivered = self.generator.receive(update)
+        else:
+            delivered = self.world.from_main(lambda: on_cpu(self.generator.receive(update)))
+            delivered = dataclasses.replace(delivered, generated=delivered.generated.apply(lambda t: t.to(self.device)))
         return self.asked.pop(update), delivered, time.time() - started
 
     def after_update(self, roles: PolicyRoles, update: int) -> None:
-        """Push the weights of `update` and ask for the rollout they are the oldest allowed for."""
-        self.generator.push(roles.policy, update)
-        self.ask(update + 1 + self.generator.max_staleness)
+        """Push the weights of `update` (rank 0: every rank holds the same) and ask for the rollout they are the
+        oldest allowed for."""
+        if self.generator is not None:
+            self.generator.push(roles.policy, update)
+        self.ask(update + 1 + self.max_staleness)
 
     def in_flight(self) -> tuple[list[list], dict[str, torch.Tensor]]:
         """The rollouts asked for and not trained on, waited for: [[update, prompt indices, weights' version], ...]
         and their tensors as `in_flight.<update>.<field>`, for a checkpoint (a resume then trains on exactly
         what the uninterrupted run would have)."""
         listed, tensors = [], {}
+        if self.generator is None:  # not rank 0, which alone writes checkpoints
+            return listed, tensors
         for update, ids in sorted(self.asked.items()):
             delivered = self.generator.peek(update)
             listed.append([update, ids, delivered.version])
@@ -109,7 +133,13 @@ class AsyncRollouts:
         """A checkpoint's in-flight rollout, as the generator delivered it before the run stopped."""
         fields = {name: tensors.get(f"{IN_FLIGHT}{update}.{name}") for name in GENERATED_FIELDS}
         self.asked[update] = batch_ids
-        self.generator.restore(Delivered(update, version, Generated(**fields), 0.0))
+        if self.generator is not None:
+            self.generator.restore(Delivered(update, version, Generated(**fields), 0.0))
+
+
+def on_cpu(delivered: Delivered) -> Delivered:
+    """`delivered` with its tensors in CPU memory, to broadcast (a GPU tensor would arrive on rank 0's device)."""
+    return dataclasses.replace(delivered, generated=delivered.generated.apply(lambda t: t.cpu()))
 
 
 IN_FLIGHT = "in_flight."  # checkpoint tensor names of the rollouts in flight: in_flight.<update>.<field>
@@ -124,18 +154,21 @@ def in_flight_tensors(state: dict) -> dict[str, torch.Tensor]:
 @contextmanager
 def async_rollouts(cfg, roles: PolicyRoles, tokenizer, settings: GenerationSettings, draws: PromptDraws,
                    prompt_ids: list[list[int]], done: int, num_updates: int, in_flight: list[list],
-                   kept: dict[str, torch.Tensor]) -> Iterator[AsyncRollouts | None]:
-    """The generator process for the updates after `done` (None without --async_generation), stopped on the way
-    out. A resumed run takes back the rollouts its checkpoint had in flight (`in_flight`, their tensors `kept`),
-    so it trains on what the uninterrupted run trained on."""
+                   kept: dict[str, torch.Tensor], world: parallel.World = parallel.SINGLE
+                   ) -> Iterator[AsyncRollouts | None]:
+    """The generator process for the updates after `done` (None without --async_generation), started by rank 0
+    and stopped on the way out. A resumed run takes back the rollouts its checkpoint had in flight (`in_flight`,
+    their tensors `kept`), so it trains on what the uninterrupted run trained on."""
     if not cfg.async_generation:
         yield None
         return
     job = GeneratorJob(settings, tokenizer.pad_token_id, tokenizer.eos_token_id, cfg.generation_backend,
-                       cfg.generator_threads, roles.precision.mode)
-    with roles.sampler() as policy:
-        generator = AsyncGenerator(policy, job, cfg.max_staleness, done)
-    rollouts = AsyncRollouts(generator, draws, prompt_ids, cfg.seed, num_updates)
+                       cfg.generator_threads, roles.precision.mode, roles.merge_lora_for_generation)
+    generator = None
+    if world.is_main:  # the copy is of the unmerged policy (its adapters are merged in the process, as here)
+        generator = AsyncGenerator(roles.policy, job, cfg.max_staleness, done)
+    device = next(roles.policy.parameters()).device
+    rollouts = AsyncRollouts(generator, draws, prompt_ids, cfg.seed, num_updates, cfg.max_staleness, world, device)
     try:
         for update, batch_ids, version in in_flight:
             rollouts.restore(update, batch_ids, version, kept)
@@ -143,4 +176,5 @@ def async_rollouts(cfg, roles: PolicyRoles, tokenizer, settings: GenerationSetti
             rollouts.ask(update)
         yield rollouts
     finally:
-        generator.close()
+        if generator is not None:
+            generator.close()

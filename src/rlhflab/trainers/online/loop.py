@@ -83,11 +83,13 @@ def rollout_of_update(ranks: OnlineRanks, update: int, batch_ids: list[int], pro
     """Steps 2-3 for the global batch `batch_ids` (one train-prompt index per answer): this rank generates and
     scores its share of the prompts, then every rank's rows are gathered. Returns the global rollout,
     its (B,) scores and validity, and this rank's seconds of scoring. `sampled`: (responses, seconds waited)
-    the asynchronous generator delivered (one process)."""
+    the asynchronous generator delivered for the global batch, of which this rank keeps its share."""
     world = ranks.world
     share = parallel.share_of(len(batch_ids) // group, world)  # whole prompts: a group stays on one rank
     mine = [batch_ids[p * group + k] for p in share.positions[: share.real] for k in range(group)]
     place = rollout_place([prompt_ids[i] for i in batch_ids], share, group) if world.distributed else None
+    if sampled is not None and world.distributed:
+        sampled = (sampled[0].rows(place.first, len(mine)), sampled[1])
     rollout = collect_rollout(ranks.roles, [prompt_ids[i] for i in mine], pad_id=tokenizer.pad_token_id,
                               eos_id=tokenizer.eos_token_id, settings=settings,
                               generator=rollout_generator(cfg.seed, update, ranks.device), keep_graph=keep_graph,
@@ -179,11 +181,12 @@ def sampler_metrics(rollout) -> dict:
             "sampler/kl": gap.sum(dim=1).mean().item()}
 
 
-def trainer_threads(cfg) -> int:
-    """--threads, with 0 (all cores) leaving --generator_threads to an asynchronous generator."""
+def trainer_threads(cfg, world: parallel.World) -> int:
+    """--threads, or (0) the cores shared by this machine's ranks, after --generator_threads for an asynchronous
+    generator (started by rank 0, on the first machine)."""
     if cfg.threads or not cfg.async_generation:
-        return cfg.threads
-    return max(1, (os.cpu_count() or 1) - cfg.generator_threads)
+        return world.threads(cfg.threads)
+    return max(1, ((os.cpu_count() or 1) - cfg.generator_threads) // world.local_world_size)
 
 
 def train_online(cfg, algorithm: Algorithm, run: RunDir | None = None, reward_fn=None,
@@ -203,11 +206,11 @@ def train_online(cfg, algorithm: Algorithm, run: RunDir | None = None, reward_fn
     world = parallel.init_world(cfg.device)
     check_online_config(cfg, algorithm.epochs, algorithm.samples_per_prompt)
     check_world(cfg, algorithm.samples_per_prompt, algorithm.whole_groups, world)
-    check_async(cfg, getattr(cfg, "value_mode", "none") if algorithm.critic else "none", world.distributed,
-                algorithm.policy_gradient)
+    strategy = parallel.resolve_strategy(cfg.parallel_strategy, world)
+    check_async(cfg, strategy, algorithm.policy_gradient)
     # before any model is loaded: what the device cannot do is refused here (models/precision.py)
-    precision = precision_from_config(cfg, world.device, parallel.resolve_strategy(cfg.parallel_strategy, world))
-    configure_threads(world.threads(trainer_threads(cfg)))
+    precision = precision_from_config(cfg, world.device, strategy)
+    configure_threads(trainer_threads(cfg, world))
     models.configure_logits_chunks(cfg.logits_chunk_mib)
     configure_allocator(cfg.mmap_threshold_mib)
     seed_everything(cfg.seed, cfg.deterministic)
@@ -292,9 +295,9 @@ def train_online(cfg, algorithm: Algorithm, run: RunDir | None = None, reward_fn
     resumed_at = resumed.step if resumed is not None else None  # that checkpoint is on disk already
     with checkpointer(run, cfg, resumed_at, ranks, optimizer) as saver, async_rollouts(  # SIGINT / SIGTERM handlers
             cfg, roles, tokenizer, settings, draws, prompt_ids, start, num_updates, progress.in_flight,
-            in_flight_tensors(resumed.state) if resumed is not None else {}) as ahead:
+            in_flight_tensors(resumed.state) if resumed is not None else {}, world) as ahead:
         if ahead is not None:  # the generator process's start (imports, the policy's copy): set-up, not an update
-            walls["setup"] += ahead.generator.startup_s
+            walls["setup"] += ahead.startup_s
         bar = tqdm(range(start + 1, num_updates + 1), desc=algorithm.name, unit="update",
                    disable=not (cfg.progress and world.is_main))
         for update in bar:
