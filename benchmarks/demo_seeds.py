@@ -171,12 +171,13 @@ def section(rows: dict[int, dict[str, float]], commit: str, extra: list[str], th
     return "\n".join(lines + ["", END]) + "\n"
 
 
-def write_section(text: str, path: Path = RESULTS) -> None:
-    """Replace the text between the markers in `path`, or append it."""
+def write_section(text: str, path: Path = RESULTS, begin: str = BEGIN, end: str = END) -> None:
+    """Replace the text between the markers `begin` and `end` in `path` (`text` starts and ends with them), or
+    append it."""
     old = path.read_text() if path.exists() else ""
-    if BEGIN in old and END in old:
-        head, rest = old.split(BEGIN, 1)
-        new = head + text.rstrip("\n") + rest.split(END, 1)[1]
+    if begin in old and end in old:
+        head, rest = old.split(begin, 1)
+        new = head + text.rstrip("\n") + rest.split(end, 1)[1]
     else:
         new = old.rstrip("\n") + "\n\n" + text
     path.write_text(new)

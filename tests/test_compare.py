@@ -52,8 +52,8 @@ def run_cli(argv):
 def compared(setup):
     folder, config = setup
     out = folder / "out"
-    code, stdout = run_cli(["compare", "--config", str(config), "--methods", "ppo,grpo", "--budget", "episodes=16",
-                            "--output_dir", str(out), "--seed", "3"])
+    code, stdout = run_cli(["compare", "--config", str(config), "--methods", "ppo,grpo,grpo-async", "--budget",
+                            "episodes=16", "--output_dir", str(out), "--seed", "3"])
     return code, out, stdout, json.loads((out / "summary.json").read_text())
 
 
@@ -62,9 +62,9 @@ def test_summary_numbers_are_consistent(compared):
     assert code == 0 and summary["failed"] == []
     start = summary["test_pass_rate"]["start"]
     samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
-    by_model = {m: [s for s in samples if s["model"] == m] for m in ("start", "ppo", "grpo")}
+    by_model = {m: [s for s in samples if s["model"] == m] for m in ("start", "ppo", "grpo", "grpo-async")}
     assert start == sum(s["passed"] for s in by_model["start"]) / 12
-    for name in ("ppo", "grpo"):
+    for name in ("ppo", "grpo", "grpo-async"):
         m = summary["methods"][name]
         assert set(m) >= {"test_pass_rate", "gain", "kl_to_reference", "wall_s", "episodes", "episodes_per_s",
                           "stopped", "alarms"}
@@ -78,6 +78,13 @@ def test_summary_numbers_are_consistent(compared):
         assert [s["prompt"] for s in by_model[name]] == [s["prompt"] for s in by_model["start"]]
         fixed = sum(s["passed"] and not b["passed"] for s, b in zip(by_model[name], by_model["start"]))
         assert m["vs_start"]["fixed"] == fixed
+    # the variant against its method, prompt by prompt
+    versus = summary["methods"]["grpo-async"]["vs_method"]
+    assert versus["method"] == "grpo" and "vs_method" not in summary["methods"]["grpo"]
+    assert versus["fixed"] == sum(a["passed"] and not g["passed"] for a, g in zip(by_model["grpo-async"],
+                                                                                   by_model["grpo"]))
+    assert versus["broken"] == sum(g["passed"] and not a["passed"] for a, g in zip(by_model["grpo-async"],
+                                                                                    by_model["grpo"]))
     assert summary["methods"]["ppo"]["kl_to_reference"] != 0  # trained with lr 1e-3: it moved
     assert start not in (0.0, 1.0) and summary["test_tables"]["start"]["counts"]  # per-family tables
 
@@ -92,7 +99,14 @@ def test_every_method_gets_the_shared_settings_and_only_its_own_section(compared
     assert ppo["learning_rate"] == 1e-3 and grpo["learning_rate"] == 2e-3 and grpo["num_generations"] == 4
     assert ppo["num_ppo_epochs"] == 1
     written = yaml.safe_load((out / "config.yaml").read_text())  # a valid --config again: shared keys + sections
-    assert written["grpo"]["learning_rate"] == 2e-3 and written["methods"] == "ppo,grpo"
+    assert written["grpo"]["learning_rate"] == 2e-3 and written["methods"] == "ppo,grpo,grpo-async"
+    # the variant: its method's section and settings, with generation overlapped (one update stale at most)
+    variant = yaml.safe_load((out / "grpo-async" / "config.yaml").read_text())
+    assert {k: v for k, v in variant.items() if k not in ("output_dir", "async_generation")} == \
+        {k: v for k, v in grpo.items() if k not in ("output_dir", "async_generation")}
+    assert variant["async_generation"] is True and grpo["async_generation"] is False and variant["max_staleness"] == 1
+    steps = [json.loads(line) for line in (out / "grpo-async" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["async/staleness"] for r in steps if "async/staleness" in r] == [0, 1]
 
 
 def test_report_and_console_show_every_method(compared):
@@ -108,9 +122,11 @@ def test_report_and_console_show_every_method(compared):
     assert write_report(out, out / "again.html").read_text() == page
     lines = stdout.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("method"))
-    assert lines[header].split() == ["method", "test", "pass", "gain", "KL", "wall", "s", "episodes/s"]
-    assert [line.split()[0] for line in lines[header + 2:header + 5]] == ["start", "ppo", "grpo"]
+    assert lines[header].split() == ["method", "test", "pass", "gain", "KL", "wall", "s", "episodes/s", "variant", "vs",
+                                     "its", "method"]
+    assert [line.split()[0] for line in lines[header + 2:header + 6]] == ["start", "ppo", "grpo", "grpo-async"]
     assert f"{summary['methods']['grpo']['test_pass_rate']:.1%}" in lines[header + 4]
+    assert "vs grpo: " in lines[header + 5] and "vs " not in lines[header + 4]
 
 
 def test_seconds_budget_is_kept_and_a_failing_method_is_recorded(setup, monkeypatch):

@@ -72,13 +72,15 @@ def test_a_weight_scales_the_policy_gradient_and_zero_silences_it(policy_dir, st
     _, doubled, batch = one_update(policy_dir, stage, sampler_shift=torch.log(torch.tensor(2.0)).item(),
                                    sampler_correction="token_truncate")
     assert torch.allclose(batch.sampler_weights[batch.mask], torch.tensor(2.0))
+    assert sampler_weight_metrics(batch, 0.5, 2.0)["sampler/is_truncated_share"] == 1.0  # all at the cap
+    assert sampler_weight_metrics(batch, 0.5, 3.0)["sampler/is_truncated_share"] == 0.0
     moved = [(p1 - p0, p2 - p0) for p0, p1, p2 in zip(before, plain, doubled) if not torch.equal(p1, p0)]
     assert moved
     for one, two in moved:  # SGD: the step is the gradient, twice as large
         assert torch.allclose(two, 2 * one, atol=1e-6, rtol=1e-4)
     # every response's ratio far outside the bounds: sequence_mask drops them all, nothing trains
     _, silenced, batch = one_update(policy_dir, stage, sampler_shift=5.0, sampler_correction="sequence_mask")
-    assert sampler_weight_metrics(batch)["sampler/is_dropped_share"] == 1.0
+    assert sampler_weight_metrics(batch, 0.5, 2.0)["sampler/is_dropped_share"] == 1.0
     assert all(torch.equal(a, b) for a, b in zip(before, silenced))
 
 

@@ -16,7 +16,7 @@ from typing import Any, Literal
 import yaml
 
 from rlhflab import config as configs
-from rlhflab.config import COMPARE_METHODS, CompareConfig, check_values, field_names, parse_config
+from rlhflab.config import COMPARE_METHODS, COMPARE_VARIANTS, CompareConfig, check_values, field_names, parse_config
 from rlhflab.errors import UserInputError
 from rlhflab.eval import RunMonitor
 from rlhflab.tracking import default_run_path
@@ -30,17 +30,25 @@ class Method:
     config: str  # its config class in rlhflab.config
     module: str  # its trainer: module.train(cfg, ...) -> RunResult
     online: bool  # samples its own responses (budget in episodes); False: trains on fixed pairs (budget in pairs)
+    variant_of: str = ""  # a variant: the method it is run beside (its gain is also paired against that method's)
+    settings: tuple[tuple[str, Any], ...] = ()  # a variant's own settings, before its section's
 
 
-METHODS: dict[str, Method] = {m.name: m for m in (
+def async_variant(method: Method) -> Method:
+    return dataclasses.replace(method, name=f"{method.name}-async", variant_of=method.name,
+                               settings=(("async_generation", True),))
+
+
+BASE_METHODS = (
     Method("ppo", "PPOConfig", "rlhflab.trainers.ppo", online=True),
     Method("grpo", "GRPOConfig", "rlhflab.trainers.grpo", online=True),
     Method("rloo", "RLOOConfig", "rlhflab.trainers.rloo", online=True),
     Method("reinforce", "REINFORCEConfig", "rlhflab.trainers.reinforce", online=True),
     Method("dpo", "DPOConfig", "rlhflab.trainers.dpo", online=False),
     Method("online-dpo", "OnlineDPOConfig", "rlhflab.trainers.online_dpo", online=True),
-)}
-assert tuple(METHODS) == COMPARE_METHODS
+)
+METHODS: dict[str, Method] = {m.name: m for m in (*BASE_METHODS, *(async_variant(m) for m in BASE_METHODS if m.online))}
+assert tuple(METHODS) == COMPARE_METHODS + COMPARE_VARIANTS
 # fields of CompareConfig that are the comparison's own, not handed to the methods
 COMPARE_ONLY = ("methods", "budget", "prompts_file", "kl_samples", "output_dir", "overwrite")
 BUDGET_FIELDS = ("total_episodes", "max_seconds", "max_pairs", "max_steps", "num_epochs")
@@ -118,8 +126,9 @@ def config_class(method: Method) -> type:
 
 
 def available_methods() -> list[str]:
+    """The methods (not their variants) this version of rlhflab can run: `rlhflab demo --compare` runs them all."""
     found = []
-    for method in METHODS.values():
+    for method in (METHODS[name] for name in COMPARE_METHODS):
         if getattr(configs, method.config, None) is not None and importlib.util.find_spec(method.module) is not None:
             found.append(method.name)
     return found
@@ -138,7 +147,7 @@ def read_sections(config_path: str | None) -> dict[str, dict]:
                                      f"write e.g. {key}: {{learning_rate: 1.0e-4}}")
             name = key.replace("_", "-")
             if name in sections:
-                raise UserInputError(f"two sections for {name} ('{name}' and 'online_dpo')", config_path,
+                raise UserInputError(f"two sections for {name} ('{name}' and '{key}')", config_path,
                                      "keep one of them")
             sections[name] = values[key]
     return sections
@@ -197,7 +206,7 @@ def method_config(method: Method, cfg: CompareConfig, budget: Budget, section: d
     shared = shared_values(cfg, method, cls)
     own = check_section(method.name, section, cls, shared, where)
     quiet = {k: v for k, v in QUIET.items() if k in field_names(cls)}
-    values = {**shared, **quiet, **own}
+    values = {**shared, **quiet, **dict(method.settings), **own}
     values |= budget_values(method, budget, cls, values)
     values |= {"model": cfg.model, "tokenizer": cfg.tokenizer, "output_dir": str(out / method.name),
                "overwrite": cfg.overwrite}
@@ -209,7 +218,8 @@ def check_method_config(method: Method, mcfg) -> None:
     if hasattr(mcfg, "stop_on_alarms"):
         RunMonitor.from_config(mcfg)  # a bad stop_on_alarms in a section
     module = importlib.import_module(method.module)
-    check = getattr(module, "check_config", None) or getattr(module, f"check_{method.name.replace('-', '_')}_config", None)
+    stage = (method.variant_of or method.name).replace("-", "_")
+    check = getattr(module, "check_config", None) or getattr(module, f"check_{stage}_config", None)
     if check is not None:
         check(mcfg)
 
@@ -230,7 +240,7 @@ def plan_compare(cfg: CompareConfig, sections: dict[str, dict], where: str = "--
     check_compare_config(cfg)
     names = parse_methods(cfg.methods)
     budget = parse_budget(cfg.budget)
-    stray = sorted(set(sections) - set(names))
+    stray = sorted(set(sections) - set(names) - {METHODS[n].variant_of for n in names})
     if stray:
         raise UserInputError(f"a section for {', '.join(stray)}, which --methods does not list", where,
                              f"add it to --methods ({cfg.methods}) or remove the section")
@@ -238,7 +248,8 @@ def plan_compare(cfg: CompareConfig, sections: dict[str, dict], where: str = "--
     plans = {}
     for name in names:
         method = METHODS[name]
-        plans[name] = method_config(method, cfg, budget, sections.get(name, {}), out, where)
+        section = {**sections.get(method.variant_of, {}), **sections.get(name, {})}  # a variant: its method's first
+        plans[name] = method_config(method, cfg, budget, section, out, where)
         check_method_config(method, plans[name])
     return ComparePlan(cfg, budget, plans, sections, out)
 

@@ -136,6 +136,10 @@ def write_summary(run: RunDir, plan: ComparePlan, judge: Judge, start_answers: l
             entry["vs_start"] = paired_counts(start_passed, [bool(a["passed"]) for a in outcome.answers])
         methods[outcome.name] = entry
     passed = {"start": start_passed} | {o.name: [bool(a["passed"]) for a in o.answers] for o in outcomes if o.answers}
+    for name, entry in methods.items():  # a variant against the method it varies, prompt by prompt
+        base = METHODS[name].variant_of
+        if base in passed and name in passed:
+            entry["vs_method"] = {"method": base, **paired_counts(passed[base], passed[name])}
     summary = {
         "stage": "compare", "model": plan.cfg.model, "budget": {"kind": plan.budget.kind, "amount": plan.budget.amount},
         "methods_run": list(plan.configs),

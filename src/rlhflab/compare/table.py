@@ -31,19 +31,30 @@ def _gain(m: dict) -> str:
     return f"{points(diff)} {verdict(diff)}" if diff is not None else _cell(m["gain"], "pts")
 
 
+def _versus(m: dict) -> str:
+    """'vs grpo: -1.2 pts [-6.0, +3.6] within noise': a variant against its method, paired over the test prompts."""
+    found = m.get("vs_method")
+    diff = difference_from_dict(found)
+    return f"vs {found['method']}: {points(diff)} {verdict(diff)}" if diff is not None else ""
+
+
 def format_compare_table(summary: dict) -> str:
     """method | test pass [95 % interval] | gain [95 % interval] | KL | wall s | episodes/s, one line per model (the
-    start first), aligned."""
-    lines = [["method", "test pass", "gain", "KL", "wall s", "episodes/s"],
-             ["start", _rate(summary, "start"), "", "0", "", ""]]
-    for name, m in summary["methods"].items():
+    start first), aligned; with variants (e.g. grpo-async) a last column pairs each with its method."""
+    methods = summary["methods"]
+    versus = any("vs_method" in m for m in methods.values())
+    lines = [["method", "test pass", "gain", "KL", "wall s", "episodes/s"] + (["variant vs its method"] if versus else []),
+             ["start", _rate(summary, "start"), "", "0", "", ""] + ([""] if versus else [])]
+    for name, m in methods.items():
         if "error" in m:
-            lines.append([name, f"failed: {m['error'][:70]}", "", "", _cell(m.get("wall_s"), "s"), ""])
+            lines.append([name, f"failed: {m['error'][:70]}", "", "", _cell(m.get("wall_s"), "s"), ""]
+                         + ([""] if versus else []))
             continue
         lines.append([name, _rate(summary, name), _gain(m), _cell(m["kl_to_reference"], "kl"), _cell(m["wall_s"], "s"),
-                      _cell(m["episodes_per_s"], "eps")])
-    widths = [max(len(line[i]) for line in lines if not line[1].startswith("failed") or i != 1) for i in range(6)]
-    text = ["  ".join(c.ljust(w) if i == 0 or c.startswith("failed") else c.rjust(w)
+                      _cell(m["episodes_per_s"], "eps")] + ([_versus(m)] if versus else []))
+    columns = len(lines[0])
+    widths = [max(len(line[i]) for line in lines if not line[1].startswith("failed") or i != 1) for i in range(columns)]
+    text = ["  ".join(c.ljust(w) if i in (0, 6) or c.startswith("failed") else c.rjust(w)
                       for i, (c, w) in enumerate(zip(line, widths))).rstrip() for line in lines]
     footer = ("[low–high]: 95 % intervals; a gain is paired over the test prompts (Agresti-Min) and called better "
               "or worse only where its interval excludes 0")

@@ -19,7 +19,7 @@ from rlhflab.config.online import (  # noqa: F401
 )
 from rlhflab.config.stages import (  # noqa: F401
     SFTConfig, EvalConfig, TasksExportConfig, RMConfig, RMDiagnoseConfig, DemoConfig, DPOConfig, CompareConfig,
-    ReportConfig, COMPARE_METHODS, STAGES,
+    ReportConfig, COMPARE_METHODS, COMPARE_VARIANTS, STAGES,
 )
 from rlhflab.config.parsing import (  # noqa: F401
     field_names, read_yaml_config, check_values, build_parser, parse_config, config_to_dict, write_config,

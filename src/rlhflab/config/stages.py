@@ -15,6 +15,9 @@ from rlhflab.config.online import (GRPOConfig, OnlineDPOConfig, PPOConfig, REINF
 # `rlhflab compare --methods`: the trainers it can run, in the order they are reported
 COMPARE_METHODS = ("ppo", "grpo", "rloo", "reinforce", "dpo", "online-dpo")
 
+# the online methods with --async_generation (max_staleness 1 unless a section says otherwise): rows that show
+# what overlapping generation with training buys in time and costs in learning; not in the default --methods
+COMPARE_VARIANTS = tuple(f"{m}-async" for m in COMPARE_METHODS if m != "dpo")
 
 # --- stage configs ------------------------------------------------------------------
 
@@ -261,10 +264,12 @@ class CompareConfig(RunFields, ModelFields, SuiteFields, PromptFileFields, Rewar
     after it (e.g. `grpo: {learning_rate: 2.0e-5}`), which may not set a shared field or the budget.
     """
 
-    yaml_sections: typing.ClassVar[tuple[str, ...]] = COMPARE_METHODS + ("online_dpo",)
+    yaml_sections: typing.ClassVar[tuple[str, ...]] = tuple(dict.fromkeys(
+        name for method in COMPARE_METHODS + COMPARE_VARIANTS for name in (method, method.replace("-", "_"))))
 
     methods: str = arg(",".join(COMPARE_METHODS), "methods to run, comma-separated, from "
-                                                  f"{', '.join(COMPARE_METHODS)}")
+                                                  f"{', '.join(COMPARE_METHODS)}, and their asynchronous variants "
+                                                  f"{', '.join(COMPARE_VARIANTS)} (--async_generation)")
     budget: str = arg("episodes=3840", "what every method gets: episodes=N sampled responses (DPO: N preference "
                                        "pairs trained on) or seconds=S of training wall time")
     reward: Literal["auto", "checker", "model", "combined", "random"] = arg(

@@ -133,10 +133,11 @@ def warn_uncorrected(mode: str, backend: str) -> None:
                 mode, backend)
 
 
-def rollout_metrics(batch: ScoredRollout, prompt_keys: list[int]) -> dict:
+def rollout_metrics(batch: ScoredRollout, prompt_keys: list[int], weight_bounds: tuple[float, float]) -> dict:
     """Per-update metrics every algorithm logs (docs/reading-a-run.md "Metrics"); `prompt_keys[b]` names row b's prompt.
 
-    objective/kl is the mean summed k1 KL of the valid responses, whatever the algorithm does with KL."""
+    objective/kl is the mean summed k1 KL of the valid responses, whatever the algorithm does with KL.
+    `weight_bounds`: the --sampler_correction bounds (low, high)."""
     rollout, valid, scores = batch.rollout, batch.valid, batch.scores
     mask = rollout.response_mask
     lengths = mask.sum(dim=1).float()
@@ -149,12 +150,13 @@ def rollout_metrics(batch: ScoredRollout, prompt_keys: list[int]) -> dict:
         "reward/invalid_rows": int((~valid).sum().item()),
         **diversity_metrics(rollout.response_ids, mask, rollout.ended_with_eos, prompt_keys, batch.group_size),
         **sampler_metrics(rollout),
-        **sampler_weight_metrics(batch),
+        **sampler_weight_metrics(batch, *weight_bounds),
     }
 
 
-def sampler_weight_metrics(batch: ScoredRollout) -> dict:
-    """The --sampler_correction weights of the update's tokens: mean, extremes, and the share set to 0 (mask modes)."""
+def sampler_weight_metrics(batch: ScoredRollout, low: float, high: float) -> dict:
+    """The --sampler_correction weights of the update's tokens: mean, extremes, the share at a bound [low, high]
+    (truncate modes: clamped there) and the share set to 0 (mask modes)."""
     if batch.sampler_weights is None:
         return {}
     weights, mask = batch.sampler_weights, batch.mask
@@ -162,6 +164,7 @@ def sampler_weight_metrics(batch: ScoredRollout) -> dict:
     return {"sampler/is_weight_mean": masked_mean(weights, mask).item(),
             "sampler/is_weight_min": torch.where(mask, weights, big).min().item(),
             "sampler/is_weight_max": torch.where(mask, weights, -big).max().item(),
+            "sampler/is_truncated_share": masked_mean(((weights == low) | (weights == high)).float(), mask).item(),
             "sampler/is_dropped_share": masked_mean((weights == 0).float(), mask).item()}
 
 
@@ -350,7 +353,7 @@ def train_online(cfg, algorithm: Algorithm, run: RunDir | None = None, reward_fn
             episode += cfg.batch_size
             generated_tokens = int(rollout.response_mask.sum().item())
             last = {
-                **rollout_metrics(batch, batch_ids), **adv.metrics, **algorithm.step_metrics(stats),
+                **rollout_metrics(batch, batch_ids, (cfg.sampler_correction_min, cfg.sampler_correction_max)), **adv.metrics, **algorithm.step_metrics(stats),
                 "lr": scheduler.get_last_lr()[0], "episode": episode, "eps": cfg.batch_size / (t3 - t0),
                 "tokens_per_s": generated_tokens / max(sampling_seconds, 1e-9),
                 "time/generation": rollout.seconds["generation"],
