@@ -8,8 +8,9 @@ Exit codes: 0 done; 2 a user mistake (the message says what, where, what to do);
 by a non-finite loss / gradient / reward (no checkpoint after it); 130 / 143 SIGINT / SIGTERM:
 the current step finished and a checkpoint was written (continue with `--resume latest`);
 4 a second SIGINT / SIGTERM: exited at once, the last complete checkpoint untouched
-(docs/reading-a-run.md "Checkpoints and resume"); 1 `rlhflab compare`: a method failed (the others ran; its error is in
-summary.json).
+(docs/reading-a-run.md "Checkpoints and resume"); 5 a checkpoint, model folder or history file could not be
+written (disk full, I/O error: the message names it, the last complete checkpoint and the command that resumes);
+1 `rlhflab compare`: a method failed (the others ran; its error is in summary.json).
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from rlhflab.config import STAGES, field_names, parse_config  # noqa: E402
-from rlhflab.errors import Interrupted, StageFailed, UserInputError  # noqa: E402 (torch-free: `--help` stays fast)
+from rlhflab.errors import WRITE_FAILED_EXIT_CODE, Interrupted, StageFailed, UserInputError, WriteFailed  # noqa: E402
+# (torch-free: `--help` stays fast)
 
 USAGE = """usage: rlhflab <stage> [--config FILE.yaml] [--field value ...]
 
@@ -407,11 +409,20 @@ def run_chain(argv: list[str]) -> int:
     from rlhflab.parallel.world import barrier_if_joined  # torch only now: `rlhflab chain --help` stays fast
 
     for stage, cfg in configs:
-        code = COMMANDS[stage](cfg)
+        try:
+            code = COMMANDS[stage](cfg)
+        except WriteFailed as err:  # the stage that failed is the one to resume
+            err.stage = err.stage or (stage if resumable(stage) else None)
+            raise
         barrier_if_joined()  # the next stage may read what this one saved on rank 0
         if code:
             return code
     return 0
+
+
+def resumable(stage: str) -> bool:
+    """Whether `rlhflab STAGE --resume latest` continues a run of `stage` (the demo resumes stage by stage)."""
+    return stage != "demo" and stage in STAGES and "resume" in field_names(STAGES[stage])
 
 
 def run_command(argv: list[str], name: str) -> int:
@@ -438,9 +449,14 @@ def run_command(argv: list[str], name: str) -> int:
     except Interrupted as err:  # SIGINT / SIGTERM: the step finished and a checkpoint was written
         print(f"{name}: interrupted: {err}", file=sys.stderr)
         return err.exit_code
+    except WriteFailed as err:  # a full disk / I/O error: the partial write removed, nothing complete touched
+        if err.stage is None and argv[0] != "chain" and resumable(split_stage(argv)[0]):
+            err.stage = split_stage(argv)[0]
+        print(f"{name}: write failed: {err}", file=sys.stderr)
+        return WRITE_FAILED_EXIT_CODE
     except StageFailed as err:  # a stage run in a child process stopped (its log has the whole story)
         print(f"{name}: stopped: {err}", file=sys.stderr)
-        return 1
+        return err.exit_code
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from rlhflab.callbacks import Callback, CallbackSink
-from rlhflab.errors import UserInputError
+from rlhflab.errors import UserInputError, writing
 
 RUN_MARKERS = ("config.yaml", "summary.json", "metrics.jsonl")
 
@@ -137,8 +137,14 @@ class RunDir:
     def write_json(self, name: str, payload: Any) -> Path:
         target = self.path / name
         tmp = target.with_suffix(target.suffix + ".tmp")
-        tmp.write_text(json.dumps(_strict_json(payload), indent=2, default=_jsonable, allow_nan=False) + "\n")
-        os.replace(tmp, target)
+        text = json.dumps(_strict_json(payload), indent=2, default=_jsonable, allow_nan=False) + "\n"
+        try:
+            with writing(name, target, self.path, len(text.encode())):
+                tmp.write_text(text)
+                os.replace(tmp, target)
+        except Exception:
+            tmp.unlink(missing_ok=True)  # a half-written temp file never lingers; `target` is as it was
+            raise
         return target
 
     def write_versions(self, seed: int | None = None) -> None:
@@ -146,16 +152,18 @@ class RunDir:
         self.write_json("versions.json", {**collect_versions(), "determinism": determinism_settings(seed)})
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
-        row = {"step": step, **{k: _jsonable(v) for k, v in metrics.items()}}
-        with open(self.path / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(row) + "\n")
+        row = json.dumps({"step": step, **{k: _jsonable(v) for k, v in metrics.items()}}) + "\n"
+        with writing(f"metrics.jsonl (step {step})", self.path / "metrics.jsonl", self.path, len(row.encode())):
+            with open(self.path / "metrics.jsonl", "a") as f:
+                f.write(row)
         for sink in self._sinks:
             sink.log(metrics, step)
 
     def add_samples(self, rows: Iterable[dict[str, Any]]) -> None:
-        with open(self.path / "samples.jsonl", "a") as f:
-            for row in rows:
-                f.write(json.dumps(row, ensure_ascii=False, default=_jsonable) + "\n")
+        text = "".join(json.dumps(row, ensure_ascii=False, default=_jsonable) + "\n" for row in rows)
+        with writing("samples.jsonl", self.path / "samples.jsonl", self.path, len(text.encode())):
+            with open(self.path / "samples.jsonl", "a", encoding="utf-8") as f:
+                f.write(text)
 
     def update_summary(self, **fields: Any) -> dict[str, Any]:
         """Merge `fields` into summary.json (nested dicts merge one level deep)."""

@@ -15,6 +15,7 @@ from tinyhf import save_suite_model
 
 from rlhflab.config import GRPOConfig, PPOConfig
 from rlhflab.errors import UserInputError
+from rlhflab.intervals import rate_interval
 from rlhflab.trainers import grpo, ppo
 from rlhflab.trainers.online.async_rollouts import check_async
 
@@ -166,3 +167,28 @@ def test_a_trainer_that_fails_stops_its_generator(policy_dir, tmp_path):
         grpo.train(GRPOConfig(model=policy_dir, output_dir=str(tmp_path / "run"), async_generation=True,
                               num_generations=4, **SMALL), reward_fn=failing)
     assert not [c for c in multiprocessing.active_children() if c.name == "rlhflab-generator"]
+
+
+MOSTLY_DIGITS = """def mostly_digits(prompts, completions, **columns):
+    return [sum(c.isdigit() for c in t) * 2 > max(len(t), 1) for t in completions]
+"""
+
+
+def digit_share(prompts, responses, rows):
+    return [sum(c.isdigit() for c in r) / max(len(r), 1) for r in responses]
+
+
+def test_k1_learns_on_the_suite_beyond_noise(policy_dir, tmp_path):
+    """GRPO at staleness 1 on the suite's prompts, rewarded by the share of digits: the held-out pass rate of a
+    verifier (more than half the characters digits) rises from near 0 to a rate whose 95 % interval lies above
+    the start's, and every rollout trained on was at most one update old."""
+    (tmp_path / "verify.py").write_text(MOSTLY_DIGITS)
+    settings = {**SMALL, "total_episodes": 16 * 20, "eval_prompts": 24, "response_length": 6, "learning_rate": 2e-2,
+                "beta": 0.0, "missing_eos_penalty": 0.0}
+    result = grpo.train(GRPOConfig(model=policy_dir, output_dir=str(tmp_path / "run"), async_generation=True,
+                                   max_staleness=1, num_generations=4, verifier=f"{tmp_path / 'verify.py'}:mostly_digits",
+                                   **settings), reward_fn=digit_share)
+    held_out = result.summary["validation_pass_rate"]
+    start, end = rate_interval(held_out["start"], 24), rate_interval(held_out["end"], 24)
+    assert end.low > start.high, (held_out, start, end)
+    assert max(u["async/staleness"] for u in updates(result.run_dir)) == 1

@@ -21,7 +21,7 @@ from rlhflab.callbacks import Callback
 from rlhflab.checkpoint.resume import resume_target
 from rlhflab.config import (STAGES, DPOConfig, GRPOConfig, OnlineDPOConfig, PPOConfig, REINFORCEConfig, RLOOConfig,
                             RMConfig, SFTConfig)
-from rlhflab.errors import UserInputError
+from rlhflab.errors import UserInputError, WriteFailed
 from rlhflab.tracking import RunResult, check_folder_free, default_run_path
 from rlhflab.trainers.given import NOTHING, Given
 
@@ -42,11 +42,15 @@ def run_stage(stage: str, cfg, given: Given = NOTHING) -> RunResult:
         raise UserInputError(f"stage {stage} takes a {STAGES[stage].__name__}, not a {type(cfg).__name__}",
                              "run_stage", f"pass {STAGES[stage].__name__}(...)")
     module = importlib.import_module(f"rlhflab.trainers.{STAGE_MODULES[stage]}")
-    if stage in ONLINE_STAGES:
-        from rlhflab.eval import RunMonitor
+    try:
+        if stage in ONLINE_STAGES:
+            from rlhflab.eval import RunMonitor
 
-        return module.train(cfg, monitor=RunMonitor.from_config(cfg, given), given=given)
-    return module.train(cfg, given=given)
+            return module.train(cfg, monitor=RunMonitor.from_config(cfg, given), given=given)
+        return module.train(cfg, given=given)
+    except WriteFailed as err:  # a full disk: its message names the command that resumes this stage
+        err.stage = err.stage or stage
+        raise
 
 
 class Trainer:

@@ -13,6 +13,9 @@ A folder is written as `.tmp-step-N`, each file fsynced, renamed to `step-N`, an
 then gets its `COMPLETE` marker. A crash at any moment leaves either a `.tmp-*` folder
 or a `step-N` without marker: both are ignored when choosing what to resume from and
 removed by the next save. Nothing here needs pickle to load (safetensors + JSON only).
+
+A run's final folders (model/, value/, adapter/) are written the same way by `atomic_folder`: into a hidden
+`.tmp-<name>` beside them, fsynced, then renamed, so `chain` or a later stage never loads a half folder.
 """
 
 from __future__ import annotations
@@ -23,14 +26,16 @@ import logging
 import os
 import re
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from rlhflab.checkpoint.state import decode, encode
-from rlhflab.errors import UserInputError
+from rlhflab.errors import UserInputError, writing
 
 log = logging.getLogger("rlhflab")
 
@@ -149,10 +154,7 @@ def finish_checkpoint(root: Path, step: int, tmp: Path, weights: dict[str, torch
     save_file(tensors, str(tmp / "state.safetensors"))
     (tmp / "state.json").write_text(json.dumps(encoded))
     files = _files_under(tmp)
-    for name in files:
-        _fsync_file(tmp / name)
-    for folder in {(tmp / name).parent for name in files}:
-        _fsync_dir(folder)
+    _make_durable(tmp)
     if target.exists():  # an older write of the same step: an abandoned future, or one that never completed
         remove_checkpoint(target)
     os.replace(tmp, target)
@@ -166,6 +168,49 @@ def finish_checkpoint(root: Path, step: int, tmp: Path, weights: dict[str, torch
     clean_incomplete(root, keep=target)
     prune(root, keep_last_n)
     return target
+
+
+def _make_durable(folder: Path) -> None:
+    """fsync every file under `folder` and every folder holding one."""
+    files = _files_under(folder)
+    for name in files:
+        _fsync_file(folder / name)
+    for sub in {(folder / name).parent for name in files} | {folder}:
+        _fsync_dir(sub)
+
+
+def weight_bytes(*modules: torch.nn.Module | None) -> int:
+    """Bytes of the modules' tensors as safetensors holds them: about what their saved folder needs on disk."""
+    return sum(t.numel() * t.element_size() for m in modules if m is not None for t in m.state_dict().values())
+
+
+@contextmanager
+def atomic_folder(target: Path, what: str, run: Path | None = None, needed: int | None = None) -> Iterator[Path]:
+    """Yield a fresh hidden `.tmp-<name>` beside `target` to write into; when the block ends, fsync it and rename
+    it to `target` (a previous `target` is moved aside first and removed after). A failure, or a kill, leaves
+    `target` as it was (or, killed between the two renames, absent with the old one in `.old-<name>`) and never
+    half written; a failed write becomes `WriteFailed(what, ...)` (rlhflab.errors) with the temp folder removed."""
+    tmp, old = target.parent / f".tmp-{target.name}", target.parent / f".old-{target.name}"
+    try:
+        with writing(what, target, run, needed):
+            shutil.rmtree(tmp, ignore_errors=True)  # a kill's leftover
+            tmp.mkdir(parents=True)
+            yield tmp
+            _make_durable(tmp)
+            shutil.rmtree(old, ignore_errors=True)
+            if target.exists():
+                os.replace(target, old)
+            try:
+                os.replace(tmp, target)
+            except OSError:
+                if old.exists() and not target.exists():
+                    os.replace(old, target)
+                raise
+            _fsync_dir(target.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def verify(path: Path) -> dict:

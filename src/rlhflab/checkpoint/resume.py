@@ -3,7 +3,9 @@
 Resuming (`--resume latest` or `--resume RUN/checkpoints/step-N`) reuses the run folder
 without wiping it: its config must match the saved config.yaml (or `--allow_config_change`,
 recorded in summary.json), metrics.jsonl / samples.jsonl are cut back to their length at
-the checkpoint so the history reads as if the run had never stopped, and complete
+the checkpoint so the history reads as if the run had never stopped (they are fsynced before
+each checkpoint's marker; shorter than recorded, after a host crash lost their tail, they are
+kept with a warning counting the rows lost), and complete
 checkpoints newer than the one resumed from (an abandoned future) are deleted. Those
 changes to the folder wait for `Resumed.commit()`, which a trainer calls once the
 checkpoint is unpacked into its model and optimiser: a resume that fails there (weights
@@ -24,14 +26,14 @@ import torch
 import yaml
 
 from rlhflab import parallel
-from rlhflab.checkpoint.folder import SHARDED, begin_checkpoint, complete_checkpoints, finish_checkpoint
-from rlhflab.checkpoint.folder import latest_checkpoint, load_checkpoint, remove_checkpoint, step_of
+from rlhflab.checkpoint.folder import SHARDED, _fsync_file, begin_checkpoint, complete_checkpoints, is_complete
+from rlhflab.checkpoint.folder import finish_checkpoint, latest_checkpoint, load_checkpoint, remove_checkpoint, step_of
 from rlhflab.checkpoint.ranks import FollowerRun, check_layout
 from rlhflab.checkpoint.signals import Interrupted, StopSignals
 from rlhflab.callbacks import Callback
-from rlhflab.checkpoint.state import all_finite
+from rlhflab.checkpoint.state import all_finite, encode
 from rlhflab.config import config_to_dict, write_config
-from rlhflab.errors import UserInputError
+from rlhflab.errors import UserInputError, WriteFailed, write_error_reason
 from rlhflab.tracking import RunDir, default_run_path
 
 log = logging.getLogger("rlhflab")
@@ -102,32 +104,53 @@ def config_changes(cfg, saved: Path) -> dict[str, dict]:
 
 
 def history_position(run_path: Path) -> dict[str, dict]:
-    """Bytes and lines of each history file now; a resume cuts the files back to this."""
+    """Bytes and lines of each history file now, fsynced (a checkpoint's marker must never promise rows a host
+    crash can still take away); a resume cuts the files back to this."""
     out = {}
     for name in HISTORIES:
         file = run_path / name
+        if file.exists():
+            _fsync_file(file)
         text = file.read_bytes() if file.exists() else b""
         out[name] = {"bytes": len(text), "lines": text.count(b"\n")}
     return out
 
 
-def check_histories(run_path: Path, position: dict[str, dict]) -> None:
-    """Refuse (touching nothing) when a history file is not the one the checkpoint saw the start of."""
+def check_histories(run_path: Path, position: dict[str, dict]) -> dict[str, int]:
+    """Rows each history file lost against the checkpoint ({} when none); refuse (touching nothing) when a
+    file is not the one the checkpoint saw the start of.
+
+    A file shorter than recorded (a host crash took the tail the page cache had not written, or the run
+    folder was copied mid-write) keeps its complete rows: the run continues from the checkpoint without the
+    lost ones, which `restore_histories` counts in a warning."""
+    lost = {}
     for name, at in position.items():
         file = run_path / name
         text = file.read_bytes() if file.exists() else b""
         if len(text) < at["bytes"]:
-            raise UserInputError(f"{name} is shorter ({len(text)} bytes) than at the checkpoint ({at['bytes']})",
-                                 str(file), "the run folder was changed; resume from a copy that was not")
-        if text[: at["bytes"]].count(b"\n") != at["lines"]:
+            lost[name] = at["lines"] - text.count(b"\n")
+        elif text[: at["bytes"]].count(b"\n") != at["lines"]:
             raise UserInputError(f"{name} does not match the checkpoint's history", str(file))
+    return lost
 
 
-def restore_histories(run_path: Path, position: dict[str, dict]) -> None:
-    check_histories(run_path, position)
+def restore_histories(run_path: Path, position: dict[str, dict]) -> dict[str, int]:
+    """Cut each history file back to the checkpoint (a shorter one to its last complete row); the rows lost."""
+    lost = check_histories(run_path, position)
     for name, at in position.items():
-        if (run_path / name).exists():
-            os.truncate(run_path / name, at["bytes"])
+        file = run_path / name
+        if not file.exists():
+            continue
+        size = file.stat().st_size
+        if size >= at["bytes"]:
+            os.truncate(file, at["bytes"])
+            continue
+        text = file.read_bytes()
+        os.truncate(file, text.rfind(b"\n") + 1)  # a half-written last row goes too
+        log.warning("%s has %d of the %d rows it held at the checkpoint (a crash lost the rest): continuing "
+                    "from the checkpoint without the %d lost row(s)", file, at["lines"] - lost[name],
+                    at["lines"], lost[name])
+    return lost
 
 
 SINGLE_LAYOUT = parallel.Layout("none", parallel.SINGLE)
@@ -186,7 +209,7 @@ def _open_here(cfg, stage: str, layout: parallel.Layout,
     run = RunDir(run_path, resume=True, report_to=cfg.report_to, callbacks=callbacks)
 
     def commit() -> None:
-        restore_histories(run_path, state["histories"])
+        lost = restore_histories(run_path, state["histories"])
         for newer in [p for p in complete_checkpoints(checkpoint.parent) if step_of(p) > step]:
             log.warning("removing %s: resuming from step %d abandons it", newer, step)
             remove_checkpoint(newer)
@@ -196,7 +219,8 @@ def _open_here(cfg, stage: str, layout: parallel.Layout,
         run.write_versions(cfg.seed)
         summary = json.loads((run_path / "summary.json").read_text()) if (run_path / "summary.json").exists() else {}
         run.update_summary(resumes=[*summary.get("resumes", []),
-                                    {"step": step, "checkpoint": str(checkpoint), "config_changes": changes}])
+                                    {"step": step, "checkpoint": str(checkpoint), "config_changes": changes,
+                                     **({"lost_history_rows": lost} if lost else {})}])
         log.info("resuming %s from %s (step %d)", stage, checkpoint, step)
 
     return run, Resumed(checkpoint, step, weights, state, changes, commit)
@@ -260,12 +284,36 @@ class Checkpointer:
             packed.append(self._pack(step, contents))  # non-finite weights: raised before any folder exists
             return str(begin_checkpoint(self.root, step))
 
-        tmp = Path(world.from_main(begin))
-        if self.layout.sharded:
-            self.write_shards(tmp / SHARDED)  # every rank, at once (torch.distributed.checkpoint)
-        path = Path(world.from_main(lambda: str(finish_checkpoint(self.root, step, tmp, *packed[0], self.keep_last_n))))
+        try:
+            tmp = Path(world.from_main(begin))
+            if self.layout.sharded:
+                self.write_shards(tmp / SHARDED)  # every rank, at once (torch.distributed.checkpoint)
+            path = Path(world.from_main(
+                lambda: str(finish_checkpoint(self.root, step, tmp, *packed[0], self.keep_last_n))))
+        except Exception as err:
+            failed = self._failed(step, packed, err)
+            if failed is err:
+                raise
+            raise failed from err
         self.saved_step = step
         return path
+
+    def _failed(self, step: int, packed: list, err: Exception) -> Exception:
+        """After a failed save: the partial folder removed (complete checkpoints untouched); a failed write
+        as `WriteFailed` naming the checkpoint, the space its tensors needed and the last complete one."""
+        if self.layout.world.is_main:  # `.tmp-step-N`, or `step-N` renamed but without its marker
+            for leftover in (self.root / f".tmp-step-{step}", self.root / f"step-{step}"):
+                if leftover.is_dir() and not is_complete(leftover):
+                    shutil.rmtree(leftover, ignore_errors=True)
+        reason = write_error_reason(err)
+        if isinstance(err, WriteFailed) or reason is None:
+            return err
+        needed = None
+        if packed:
+            tensors: dict[str, torch.Tensor] = {}
+            encode(packed[0][1], tensors)
+            needed = sum(t.numel() * t.element_size() for t in [*packed[0][0].values(), *tensors.values()])
+        return WriteFailed(f"checkpoint step-{step}", self.root / f"step-{step}", reason, self.run_path, needed)
 
     def _pack(self, step: int, contents: Contents) -> tuple[dict[str, torch.Tensor], dict]:
         weights, state = contents()

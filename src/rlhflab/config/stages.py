@@ -125,6 +125,8 @@ class RMConfig(ParallelFields, CheckpointFields, RunFields, ModelFields, SuiteFi
     recipe_chosen_on: Literal["", "train", "validation", "test"] = arg(
         "", "the split whose numbers chose this recipe, as a recipe file states it; the demo records it in "
             "summary.json when its run used that recipe unchanged; training does not read it")
+    save_every: int = arg(50, "write RUN/checkpoints/step-N every N steps and at the end; 0 = only at the end; "
+                              "-1 = none (only on SIGINT / SIGTERM)")  # as DPO: a step is about as much work
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,7 @@ from rlhflab.config import (
 from rlhflab.eval import RunMonitor, answer_and_check, eval_prompts, table_from_rows
 from rlhflab.eval.pass_rate import paired_versus, paired_versus_by_family
 from rlhflab.eval.rm_diagnosis import diagnose
-from rlhflab.errors import UserInputError
+from rlhflab.errors import UserInputError, WriteFailed
 from rlhflab.tracking import RunDir, RunResult, default_run_path
 from rlhflab.trainers import ppo, reward, sft
 from rlhflab.demo.beside import StageBeside
@@ -308,7 +308,21 @@ def check_later_stages(cfg: DemoConfig) -> None:
                                  "--rm_diagnosis_samples", "use 8 (2,400 answers on the default test split)")
 
 
+STAGE_FOLDERS = {"sft": "sft", "rm": "rm", "ppo": "ppo", "ppo_rm": "ppo"}  # RUN/<folder>: its stage's command
+
+
 def run_demo(cfg: DemoConfig) -> RunResult:
+    """The demo; a full disk in one of its stages names the command that resumes that stage's folder (the demo
+    itself does not resume)."""
+    try:
+        return demo_stages(cfg)
+    except WriteFailed as err:
+        if err.stage is None and err.run is not None and (err.run / "checkpoints").is_dir():
+            err.stage = STAGE_FOLDERS.get(err.run.name)
+        raise
+
+
+def demo_stages(cfg: DemoConfig) -> RunResult:
     clock = StageClock()  # before the demo's own clock starts: its speed probe is no part of the demo
     started, started_cpu = time.time(), time.process_time()
     if cfg.resume:

@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 
 from rlhflab.config import write_config
-from rlhflab.errors import StageFailed
+from rlhflab.errors import WRITE_FAILED_EXIT_CODE, StageFailed
 from rlhflab.tracking import RunResult
 
 STOP_GRACE_S = 120  # a stopped child finishes its step and writes a checkpoint; then it is killed
@@ -73,7 +73,8 @@ class StageBeside:
         self.process.returncode = os.waitstatus_to_exitcode(status)  # reaped here: Popen must not wait again
         self.cpu_seconds = usage.ru_utime + usage.ru_stime
         if self.process.returncode != 0:
-            raise StageFailed(self.failure())
+            written = self.write_failure()  # a full disk in the child: its one line, and the CLI's exit code
+            raise StageFailed(written, WRITE_FAILED_EXIT_CODE) if written else StageFailed(self.failure())
         return [finished_run(Path(cfg.output_dir)) for _, cfg in self.stages]
 
     def stopped_stage(self) -> tuple[str, object]:
@@ -83,6 +84,12 @@ class StageBeside:
             if not summary.is_file() or "model_dir" not in json.loads(summary.read_text()):
                 return name, cfg
         return self.stages[-1]
+
+    def write_failure(self) -> str | None:
+        """The child's 'write failed' message (it names the run folder and the command that resumes it), if any:
+        under torchrun the exit code says only that a process failed."""
+        said = [line for line in self.log_path.read_text().splitlines() if ": write failed: " in line]
+        return f"{said[-1].split(': write failed: ', 1)[1]} (in the stage beside this one)" if said else None
 
     def failure(self) -> str:
         code = self.process.returncode

@@ -23,6 +23,7 @@ import random
 import time
 from collections import defaultdict
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -30,7 +31,7 @@ from tqdm.auto import tqdm
 
 from rlhflab import data, models, parallel, rewards, sources
 from rlhflab.rewards.model import encoder_rows
-from rlhflab.checkpoint import open_run
+from rlhflab.checkpoint import atomic_folder, open_run, weight_bytes
 from rlhflab.config import RMConfig
 from rlhflab.core import bradley_terry_loss, pass_fail_loss, reward_centering_penalty
 from rlhflab.errors import UserInputError
@@ -531,5 +532,7 @@ def held_out_and_save(model, tokenizer, pairs: dict[str, list[TokenizedPair]], c
     shared_prefix = use_shared_prefix(cfg, model)
     metrics = {split: evaluate_pairs(model, metric_sample(p, split, cfg.seed), tokenizer.pad_token_id,
                                      shared_prefix=shared_prefix) for split, p in pairs.items()}
-    models.save_model_folder(model_dir, model, tokenizer)
+    model_dir = Path(model_dir)
+    with atomic_folder(model_dir, "the final reward model folder", model_dir.parent, weight_bytes(model)) as tmp:
+        models.save_model_folder(tmp, model, tokenizer)  # whole or not at all: a later stage loads it
     return metrics

@@ -8,12 +8,14 @@ import logging
 import os
 import platform
 import random
+from pathlib import Path
 
 import numpy as np
 import torch
 from transformers import get_scheduler
 
 from rlhflab import models
+from rlhflab.checkpoint import atomic_folder, weight_bytes
 from rlhflab.sources.corpus import tokenizer_corpus
 from rlhflab.models.precision import check_trainable_float32, float32_for_training
 
@@ -115,11 +117,17 @@ def add_lora(model: torch.nn.Module, cfg, what: str) -> torch.nn.Module:
 
 def save_policy_folder(policy: torch.nn.Module, tokenizer, run_path, lora: bool):
     """RUN/model as an ordinary HF folder (LoRA merged, so plain transformers loads it) and, with LoRA, the
-    adapter alone in RUN/adapter (peft's format); returns the model folder."""
+    adapter alone in RUN/adapter (peft's format); returns the model folder. Each folder is written whole or not
+    at all (checkpoint.atomic_folder), model/ last: a failed write is a `WriteFailed` naming it."""
+    run_path = Path(run_path)
+    needed = weight_bytes(policy)
     if lora:
-        policy.save_pretrained(str(run_path / "adapter"))
+        with atomic_folder(run_path / "adapter", "the final adapter folder", run_path, needed) as tmp:
+            policy.save_pretrained(str(tmp))
         policy = policy.merge_and_unload()
-    return models.save_model_folder(run_path / "model", policy, tokenizer)
+    with atomic_folder(run_path / "model", "the final model folder", run_path, needed) as tmp:
+        models.save_model_folder(tmp, policy, tokenizer)
+    return run_path / "model"
 
 
 def make_optimizer(params, cfg, fused: bool = False) -> torch.optim.Optimizer:

@@ -1,0 +1,188 @@
+"""A full disk or an I/O error while writing a checkpoint, the final model or a history file ends the run with one
+line (what, where, the space needed, the last complete checkpoint, the command that resumes) and exit code 5; the
+partial folder is removed and nothing complete is touched. The final model folder is written whole or not at all.
+A history cut short by a host crash resumes with a warning instead of a refusal (issue 34, items 1-2)."""
+
+import errno
+import json
+import logging
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import uuid
+
+import pytest
+from runcheck import assert_same_weights, metrics, sft_args
+
+import rlhflab.checkpoint.folder as folder
+from rlhflab import models, tracking
+from rlhflab.checkpoint import atomic_folder, complete_checkpoints, verify
+from rlhflab.cli import main
+from rlhflab.config import RMConfig
+from rlhflab.errors import WRITE_FAILED_EXIT_CODE, WriteFailed
+
+NO_SPACE = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def steps(out) -> list[str]:
+    return sorted(p.name for p in (out / "checkpoints").iterdir())
+
+
+def one_line(err: str) -> str:
+    """The CLI's write-failed message: exactly one such line on stderr."""
+    lines = [line for line in err.splitlines() if "write failed" in line]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+def resume_command(line: str, out) -> list[str]:
+    """The printed command that resumes the run, as `main` takes it."""
+    command = line.split("resume with: ", 1)[1]
+    assert command == f"rlhflab sft --config {out / 'config.yaml'} --resume latest --output_dir {out}"
+    return shlex.split(command)[1:]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The uninterrupted SFT run the resumed ones must equal."""
+    out = tmp_path_factory.mktemp("reference") / "run"
+    assert main([*sft_args(out), "--write_report", "false"]) == 0
+    return out
+
+
+def test_a_full_disk_during_a_checkpoint_ends_with_one_line_and_the_printed_command_resumes(
+        reference, tmp_path, monkeypatch, capsys):
+    real, calls = folder.save_file, []
+
+    def disk_full_at_step_9(tensors, path, *args, **kwargs):  # model + state per checkpoint: step 9's first write
+        calls.append(path)
+        if len(calls) == 5:
+            with open(path, "wb") as f:
+                f.write(b"half a file")
+            raise NO_SPACE
+        return real(tensors, path, *args, **kwargs)
+
+    monkeypatch.setattr(folder, "save_file", disk_full_at_step_9)
+    out = tmp_path / "run"
+    assert main([*sft_args(out), "--write_report", "false"]) == WRITE_FAILED_EXIT_CODE
+    line = one_line(capsys.readouterr().err)
+    assert re.search(rf"write failed: could not write checkpoint step-9 to {out}/checkpoints/step-9: No space left on "
+                     r"device \(ENOSPC\) \(needed about \d+\.\d KiB, \d+\.\d (KiB|MiB) free\); last complete "
+                     rf"checkpoint {out}/checkpoints/step-6; free space, then resume with: ", line), line
+    assert steps(out) == ["step-3", "step-6"] and not (out / "model").exists()  # .tmp-step-9 removed
+    verify(out / "checkpoints" / "step-6")  # complete and untouched (step-3 pruned only after a new one)
+
+    monkeypatch.setattr(folder, "save_file", real)  # space freed
+    assert main(resume_command(line, out)) == 0
+    assert metrics(out) == metrics(reference)
+    assert_same_weights(reference, out)
+
+
+def test_a_full_disk_during_the_final_save_leaves_no_model_folder_and_resumes(reference, tmp_path, monkeypatch,
+                                                                              capsys):
+    real = models.save_model_folder
+
+    def half_written(out_dir, model, tokenizer):
+        real(out_dir, model, tokenizer)  # every file there, then the disk fills (a tokenizer file, say)
+        raise NO_SPACE
+
+    monkeypatch.setattr(models, "save_model_folder", half_written)
+    out = tmp_path / "run"
+    assert main([*sft_args(out), "--write_report", "false"]) == WRITE_FAILED_EXIT_CODE
+    line = one_line(capsys.readouterr().err)
+    assert f"could not write the final model folder to {out}/model: No space left on device" in line
+    assert f"last complete checkpoint {out}/checkpoints/step-16" in line
+    assert not (out / "model").exists() and not (out / ".tmp-model").exists()
+
+    monkeypatch.setattr(models, "save_model_folder", real)
+    assert main(resume_command(line, out)) == 0  # the end-of-run checkpoint: straight to the final save
+    assert_same_weights(reference, out)
+
+
+def test_a_full_disk_while_logging_metrics_exits_5_naming_the_file(tmp_path, monkeypatch, capsys):
+    real, rows = open, []
+
+    def metrics_fill_the_disk(file, mode="r", *args, **kwargs):
+        if str(file).endswith("metrics.jsonl") and "a" in mode:
+            rows.append(1)
+            if len(rows) == 8:
+                raise NO_SPACE
+        return real(file, mode, *args, **kwargs)
+
+    monkeypatch.setattr(tracking, "open", metrics_fill_the_disk, raising=False)
+    out = tmp_path / "run"
+    assert main([*sft_args(out), "--write_report", "false"]) == WRITE_FAILED_EXIT_CODE
+    line = one_line(capsys.readouterr().err)
+    assert re.search(rf"could not write metrics.jsonl \(step \d+\) to {out}/metrics.jsonl: No space left on device "
+                     rf"\(ENOSPC\) \(needed about \d+\.\d KiB, .* free\); last complete checkpoint "
+                     rf"{out}/checkpoints/step-\d+; free space, then resume with: rlhflab sft", line), line
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 7
+
+
+def test_the_final_folder_is_replaced_whole_or_not_at_all(tmp_path):
+    target = tmp_path / "model"
+    target.mkdir()
+    (target / "config.json").write_text("old")
+    with pytest.raises(WriteFailed, match="the final model folder"):
+        with atomic_folder(target, "the final model folder", tmp_path) as tmp:
+            (tmp / "config.json").write_text("new")
+            raise NO_SPACE
+    assert [p.name for p in tmp_path.iterdir()] == ["model"] and (target / "config.json").read_text() == "old"
+    with pytest.raises(KeyError):  # any other error: the same, and not taken for a write failure
+        with atomic_folder(target, "the final model folder") as tmp:
+            raise KeyError("bug")
+    with atomic_folder(target, "the final model folder") as tmp:
+        (tmp / "config.json").write_text("new")
+    assert [p.name for p in tmp_path.iterdir()] == ["model"] and (target / "config.json").read_text() == "new"
+
+
+def test_a_history_cut_short_by_a_crash_resumes_with_a_warning_counting_the_lost_rows(reference, tmp_path, caplog):
+    out = tmp_path / "run"
+    shutil.copytree(reference, out)
+    shutil.rmtree(out / "checkpoints" / "step-16")  # the host crashed after step 15's checkpoint ...
+    held = json.loads((out / "checkpoints" / "step-15" / "state.json").read_text())["histories"]["metrics.jsonl"]
+    rows = (out / "metrics.jsonl").read_text().splitlines(keepends=True)
+    kept = held["lines"] - 3
+    (out / "metrics.jsonl").write_text("".join(rows[:kept]) + rows[kept][:9])  # ... and its last 3 rows, one half
+    with caplog.at_level(logging.WARNING, logger="rlhflab"):
+        assert main([*sft_args(out), "--write_report", "false", "--resume", "latest"]) == 0
+    assert (f"metrics.jsonl has {kept} of the {held['lines']} rows it held at the checkpoint (a crash lost the rest): "
+            "continuing from the checkpoint without the 3 lost row(s)") in caplog.text
+    assert json.loads((out / "summary.json").read_text())["resumes"][-1]["lost_history_rows"] == {"metrics.jsonl": 3}
+    assert metrics(out) == metrics(reference)[:kept] + metrics(reference)[held["lines"]:]
+    assert_same_weights(reference, out)
+
+
+def test_rm_writes_a_checkpoint_every_50_steps_by_default():
+    assert RMConfig().save_every == 50  # as DPO; it was 0 (only at the end), so a day's RM run could lose it all
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 7 MB tmpfs (root only; skipped where mounting is not permitted, as on most CI machines)."""
+    mount = tmp_path / f"disk-{uuid.uuid4().hex[:6]}"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=7m", "tmpfs", str(mount)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()[:200]}")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_a_real_full_disk_ends_with_exit_5_and_resumes_once_space_is_freed(reference, small_disk, capsys):
+    out = small_disk / "run"
+    ballast = small_disk / "ballast"
+    checkpoint = sum(f.stat().st_size for f in (reference / "checkpoints" / "step-15").iterdir())
+    with open(ballast, "wb") as f:  # room for the start and about three checkpoints (keep_last_n 0 keeps all)
+        f.write(b"\0" * (shutil.disk_usage(small_disk).free - int(3.5 * checkpoint) - (256 << 10)))
+    assert main([*sft_args(out), "--write_report", "false", "--keep_last_n", "0"]) == WRITE_FAILED_EXIT_CODE
+    line = one_line(capsys.readouterr().err)
+    assert "No space left on device" in line and "free space, then resume with: rlhflab sft" in line
+    done = complete_checkpoints(out / "checkpoints")
+    assert done and not [p for p in (out / "checkpoints").iterdir() if p not in done]
+    assert not (out / "model").exists()
+    ballast.unlink()
+    assert main(resume_command(line, out)) == 0
+    assert_same_weights(reference, out)
