@@ -12,7 +12,7 @@ other stage and the STAGES table), `parsing` (YAML and flags).
 from rlhflab.config.fields import (  # noqa: F401
     arg, RunFields, LoadFields, ModelFields, TinyModelFields, SuiteFields, DatasetFields, DataFields,
     PromptFileFields, RewardFunctionFields, OptimFields, GenerationFields, GenerationBackendFields, CheckpointFields,
-    LoraFields, MonitorFields, ParallelFields,
+    LoraFields, MonitorFields, ParallelFields, RewardCallFields,
 )
 from rlhflab.config.online import (  # noqa: F401
     OnlineFields, PPOConfig, GroupFields, GRPOConfig, RLOOConfig, REINFORCEConfig, OnlineDPOConfig,

@@ -19,7 +19,9 @@ def arg(default: Any, help: str, **extra: Any) -> Any:
 @dataclass(frozen=True)
 class RunFields:
     output_dir: str = arg("", "run folder to write; empty = runs/<stage>-<timestamp>", aliases=["--out"])
-    overwrite: bool = arg(False, "allow writing into a folder that already holds another run")
+    overwrite: bool = arg(False, "replace the run already in --output_dir: it is moved aside to "
+                                 "OUTPUT_DIR.replaced-<time> and deleted once this run's first checkpoint is "
+                                 "complete (kept if this run fails or is stopped before)")
     seed: int = arg(0, "seed for model init, data order and sampling")
     deterministic: bool = arg(False, "torch.use_deterministic_algorithms(True) (warn_only) and, on CUDA, "
                                      "deterministic cuDNN and CUBLAS_WORKSPACE_CONFIG=:4096:8; recorded in "
@@ -100,7 +102,22 @@ class PromptFileFields(DatasetFields):
 
 
 @dataclass(frozen=True)
-class RewardFunctionFields:
+class RewardCallFields:
+    """How a practitioner's reward and verifier functions are called (docs/own-data.md "A function that hangs or
+    fails")."""
+
+    reward_timeout: float = arg(600.0, "seconds one call of a reward or verifier function of yours (--reward_fn, "
+                                       "--verifier, reward_funcs) may take; a call gets the whole batch; past it the "
+                                       "run ends naming the function, the row it hangs on and its prompt (or the rows "
+                                       "are left out: --reward_errors invalid); 0 = no limit")
+    reward_errors: Literal["stop", "invalid"] = arg(
+        "stop", "rows a reward or verifier function of yours raises or times out on: stop = end the run naming the "
+                "function, the row and its prompt; invalid = leave them out of the update as a None return is (a "
+                "verifier's: failed) and count them per function in summary.json's reward_errors and the report")
+
+
+@dataclass(frozen=True)
+class RewardFunctionFields(RewardCallFields):
     """A practitioner's reward and verifier functions (TRL's reward_funcs signature; docs/own-data.md)."""
 
     reward_fn: str = arg("", "your reward functions, comma-separated FILE.py:NAME or package.module:NAME; called as "
@@ -182,8 +199,9 @@ class CheckpointFields:
                               "0 = keep all")
     resume: str = arg("", "continue a run: 'latest' (newest complete checkpoint in --output_dir) or a "
                           "RUN/checkpoints/step-N folder; empty = start fresh")
-    allow_config_change: bool = arg(False, "resume even though the config differs from the run's config.yaml "
-                                           "(the differences are recorded in summary.json)")
+    allow_config_change: bool = arg(False, "resume even though the config differs from the run's config.yaml, "
+                                           "or what it reads (model, data, reward function files, versions) from "
+                                           "RUN/fingerprints.json (the differences are recorded in summary.json)")
     nonfinite: Literal["stop", "skip"] = arg(
         "stop", "on a non-finite loss, gradient norm or advantage: stop (naming step and rows; no checkpoint "
                 "after it) or skip (drop that optimiser update, count it in nonfinite/skipped_updates)")

@@ -9,7 +9,8 @@ from typing import Literal
 
 from rlhflab.config.fields import (CheckpointFields, DataFields, GenerationBackendFields, GenerationFields, LoadFields,
                                    LoraFields, ModelFields, OptimFields, ParallelFields, PrecisionFields,
-                                   PromptFileFields, RewardFunctionFields, RunFields, SuiteFields, TinyModelFields, arg)
+                                   PromptFileFields, RewardCallFields, RewardFunctionFields, RunFields, SuiteFields,
+                                   TinyModelFields, arg)
 from rlhflab.config.online import (GRPOConfig, OnlineDPOConfig, PPOConfig, REINFORCEConfig, RLOOConfig)
 
 # `rlhflab compare --methods`: the trainers it can run, in the order they are reported
@@ -43,7 +44,7 @@ class SFTConfig(ParallelFields, CheckpointFields, RunFields, ModelFields, TinyMo
 
 
 @dataclass(frozen=True)
-class EvalConfig(RunFields, ModelFields, SuiteFields, GenerationBackendFields, GenerationFields):
+class EvalConfig(RunFields, ModelFields, SuiteFields, GenerationBackendFields, GenerationFields, RewardCallFields):
     """`rlhflab eval`: generate answers to a split's prompts and check them."""
 
     split: Literal["train", "validation", "test"] = arg("test", "which split of the built-in suite")
@@ -130,7 +131,7 @@ class RMConfig(ParallelFields, CheckpointFields, RunFields, ModelFields, SuiteFi
 
 
 @dataclass(frozen=True)
-class RMDiagnoseConfig(RunFields, LoadFields, SuiteFields, GenerationFields):
+class RMDiagnoseConfig(RunFields, LoadFields, SuiteFields, GenerationFields, RewardCallFields):
     """`rlhflab rm diagnose`: score the policy's own answers and compare with the checker."""
 
     reward_model: str = arg("", "reward model folder (sequence classifier with one output)")
@@ -211,7 +212,7 @@ class DemoConfig(SFTConfig):
 
 @dataclass(frozen=True)
 class DPOConfig(ParallelFields, CheckpointFields, RunFields, ModelFields, SuiteFields, DataFields, OptimFields,
-                PrecisionFields, LoraFields, GenerationFields):
+                PrecisionFields, LoraFields, GenerationFields, RewardCallFields):
     """`rlhflab dpo`: direct preference optimisation on (prompt, chosen, rejected) pairs: DPO, IPO or SimPO."""
 
     reference: str = arg("", "reference model folder; empty = the policy's starting weights (its log-probs are "

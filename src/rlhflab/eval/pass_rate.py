@@ -32,7 +32,8 @@ def eval_prompts(cfg, tokenizer=None) -> list[PromptRow]:
 def eval_verifier(cfg, rows: list[PromptRow]) -> rewards.Verifier:
     """`--verifier`, else the suite's checker: on a prompts file only when its rows carry family and reference."""
     if cfg.verifier.strip() and cfg.verifier.strip() != "checker":
-        return rewards.FunctionVerifier(rewards.load_function(cfg.verifier, "--verifier"))
+        return rewards.FunctionVerifier(rewards.load_function(cfg.verifier, "--verifier"),
+                                        limits=rewards.CallLimits(cfg.reward_timeout, cfg.reward_errors))
     unchecked = [r.where for r in rows if rewards.task_item(r) is None]
     if unchecked:
         raise UserInputError(f"{len(unchecked)} of {len(rows)} prompts have no suite 'family' / 'reference' for the "
@@ -143,6 +144,7 @@ def evaluate(cfg: EvalConfig, run: RunDir | None = None) -> RunResult:
     summary = run.update_summary(
         stage="eval", model=cfg.model, split=cfg.prompts_file or cfg.split, verifier=verifier.name, pass_rate=table,
         decoding="sampled" if cfg.do_sample else "greedy", wall_time_s={"eval": round(time.time() - started, 1)},
+        reward_errors=rewards.error_summary(verifier),
     )
     run.close()
     return RunResult(run.path, summary)

@@ -70,6 +70,27 @@ def wall_time_section(run: RunFolder) -> Markup | None:
     return join(parts) if parts else None
 
 
+def reward_errors_section(run: RunFolder) -> Markup | None:
+    """summary.json's `reward_errors`: the rows each user reward / verifier function raised or timed out on."""
+    errors = run.summary.get("reward_errors")
+    lost = errors.get("lost_rows") if isinstance(errors, dict) else None
+    if not isinstance(lost, dict) or not lost:
+        return None
+    rows = []
+    for name, counts in lost.items():
+        counts = counts if isinstance(counts, dict) else {}
+        raised, timed_out = (as_number(counts.get(k)) or 0 for k in ("raised", "timed_out"))
+        rows.append([name, int(raised), int(timed_out), int(raised + timed_out)])
+    timeout = as_number(errors.get("timeout_s"))
+    limit = f"{timeout:g} s per call" if timeout else "no time limit"
+    mode = errors.get("mode")
+    what = ("left out of the update (a verifier's: counted as failed)" if mode == "invalid"
+            else "none: a failure stops the run")
+    return join([table(["function", "rows it raised on", "rows it timed out on", "rows lost"], rows, row_headers=True),
+                 note(f"--reward_errors {mode}, {limit}; rows lost: {what}. Counted since the process started "
+                      "(a resumed run: since the resume), training and validation calls alike.")])
+
+
 def config_section(run: RunFolder) -> Markup | None:
     return pre(run.config_text) if run.config_text is not None else None
 

@@ -26,6 +26,7 @@ SECTIONS: tuple[Section, ...] = (
     ("Pass rate per family", family_table),
     ("Headroom before RL", headroom_section),
     ("Alarms", sections.alarms_section),
+    ("Rows your reward and verifier functions lost", details.reward_errors_section),
     ("Training curves", sections.curves_section),
     ("Reward model", sections.reward_model_section),
     ("Sample answers to fixed prompts", sections.samples_section),

@@ -11,7 +11,9 @@ A user's own functions (TRL's `reward_funcs` signature) become sources with
 from rlhflab.rewards.base import Check, RewardSource, ScoreContext, Scored, Verifier, as_scored, score
 from rlhflab.rewards.checker import CheckerReward, CheckerVerifier, task_item
 from rlhflab.rewards.combine import CombinedReward
-from rlhflab.rewards.functions import FunctionReward, FunctionVerifier, function_name, load_function
+from rlhflab.rewards.deadline import CallTimedOut, call_with_deadline
+from rlhflab.rewards.functions import (CallLimits, FunctionReward, FunctionVerifier, error_summary, function_name,
+                                       load_function, lost_rows)
 from rlhflab.rewards.model import ModelReward, ReloadedModelReward, random_model_reward
 
 # config name -> constructor
@@ -24,6 +26,8 @@ REWARD_KINDS = {
 
 __all__ = [
     "REWARD_KINDS",
+    "CallLimits",
+    "CallTimedOut",
     "Check",
     "CheckerReward",
     "CheckerVerifier",
@@ -37,8 +41,11 @@ __all__ = [
     "Scored",
     "Verifier",
     "as_scored",
+    "call_with_deadline",
+    "error_summary",
     "function_name",
     "load_function",
+    "lost_rows",
     "random_model_reward",
     "score",
     "task_item",

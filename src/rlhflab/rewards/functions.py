@@ -16,7 +16,10 @@ steps done, as TRL counts them). A
 function without `**kwargs` gets only the arguments it names. A reward returns one float per
 row, or None where it cannot score that row: that row is left out of the update and counted.
 A verifier returns one bool per row. An exception inside the function is reported with the
-function's name, the row, where the row came from and its prompt.
+function's name, the row, where the row came from and its prompt; so is a call that takes longer than
+`--reward_timeout` seconds (rewards/deadline.py). Under `--reward_errors invalid` such rows are left out
+instead (as a None is) and counted per function (`lost_rows`, summary.json's `reward_errors`). A return
+that is not one float (bool) per row is always an error naming the function and the row.
 """
 
 from __future__ import annotations
@@ -24,9 +27,11 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
+import logging
 import math
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -34,7 +39,9 @@ import torch
 from rlhflab.data.prompt_rows import PromptRow, column_lists
 from rlhflab.errors import UserInputError
 from rlhflab.rewards.base import Check, ScoreContext, Scored, check_lengths, scored
+from rlhflab.rewards.deadline import CallTimedOut, call_with_deadline
 
+log = logging.getLogger("rlhflab")
 UserFunction = Callable[..., Sequence]
 
 
@@ -82,29 +89,130 @@ def function_name(fn: UserFunction) -> str:
     return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
 
 
-class UserFunctionCall:
-    """Calls `fn(prompts=..., completions=..., **columns)` and names the failing row when it raises."""
+ERROR_MODES = ("stop", "invalid")
+MAX_ROW_TIMEOUTS = 2  # per call, when rows are called alone to find the ones that fail: the rest are then lost
 
-    def __init__(self, fn: UserFunction, what: str, name: str | None = None):
-        self.fn, self.what = fn, what
+
+@dataclass(frozen=True)
+class CallLimits:
+    """How a user's function is called (`--reward_timeout`, `--reward_errors`): seconds one call may take
+    (0 = no limit), and what a row the function raises or times out on does: "stop" ends the run with the
+    function's name, the row and its prompt; "invalid" leaves the row out (as a None) and counts it."""
+
+    timeout: float = 600.0
+    errors: str = "stop"
+
+    def __post_init__(self) -> None:
+        if self.errors not in ERROR_MODES:
+            raise UserInputError(f"unknown reward error mode {self.errors!r}", "--reward_errors",
+                                 f"choose one of {', '.join(ERROR_MODES)}")
+        if not self.timeout >= 0:
+            raise UserInputError(f"a time limit of {self.timeout} s", "--reward_timeout",
+                                 "give the seconds one call may take, or 0 for no limit")
+
+
+@dataclass(frozen=True)
+class Lost:
+    """A row the function raised or timed out on, left out under `--reward_errors invalid`."""
+
+    kind: str  # "raised" or "timed_out"
+    reason: str
+
+
+class UserFunctionCall:
+    """Calls `fn(prompts=..., completions=..., **columns)` once per batch under `limits.timeout`; when the call
+    raises or times out, calls each row alone to name the failing row (stop) or to lose only that row (invalid).
+
+    The call is per batch, as TRL's: a function may score the batch at once (one request to a judge, one
+    sandbox); a row is called alone only after the batch call failed. `lost` counts the rows lost so far."""
+
+    def __init__(self, fn: UserFunction, what: str, name: str | None = None, limits: CallLimits = CallLimits()):
+        self.fn, self.what, self.limits = fn, what, limits
         self.name = name or function_name(fn)
         params = inspect.signature(fn).parameters.values() if _inspectable(fn) else ()
         self.takes_all = not params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
         self.named = {p.name for p in params}
+        self.lost = {"raised": 0, "timed_out": 0}
 
     def __call__(self, prompts: list[str], completions: list[str], rows: Sequence[PromptRow],
                  context: ScoreContext | None = None) -> list:
+        """One value per row, in order; a `Lost` where the function failed on the row (errors="invalid")."""
         try:
-            out = self._call(prompts, completions, rows, context)
-        except Exception as err:  # a user function's own error: find the row it fails on
-            raise self._located(err, prompts, completions, rows, context) from err
-        if isinstance(out, torch.Tensor):
+            out = self._timed(prompts, completions, rows, context)
+        except CallTimedOut as err:
+            log.warning("%s %s: no answer after %g s on a batch of %d rows; calling each row alone to find the "
+                        "row it hangs on (each up to %g s)", self.what, self.name, err.seconds, len(prompts),
+                        self.limits.timeout)
+            return self._rows_alone(prompts, completions, rows, context, err)
+        except Exception as err:  # a user function's own error: find the rows it fails on
+            return self._rows_alone(prompts, completions, rows, context, err)
+        return self._checked(out, len(prompts))
+
+    def _timed(self, prompts, completions, rows, context):
+        return call_with_deadline(lambda: self._call(prompts, completions, rows, context), self.limits.timeout,
+                                  f"{self.what} {self.name}")
+
+    def _checked(self, out, n: int) -> list:
+        if hasattr(out, "tolist") and not isinstance(out, (list, tuple)):  # a tensor or numpy array
             out = out.tolist()
-        if not isinstance(out, (list, tuple)) or len(out) != len(prompts):
+        if not isinstance(out, (list, tuple)) or len(out) != n:
             got = f"{len(out)} values" if isinstance(out, (list, tuple)) else f"a {type(out).__name__}"
-            raise UserInputError(f"{self.what} {self.name} returned {got} for {len(prompts)} completions",
-                                 self.name, "return a list with one value per completion, in the order given")
+            raise UserInputError(f"{self.what} {self.name} returned {got} for {n} completions", self.name,
+                                 "return a list with one value per completion, in the order given")
         return list(out)
+
+    def _rows_alone(self, prompts, completions, rows, context, batch_err: Exception) -> list:
+        out: list = []
+        timeouts = 0
+        for i in range(len(prompts)):
+            if timeouts >= MAX_ROW_TIMEOUTS:  # invalid: stop searching; the rest of the batch is lost
+                out.append(Lost("timed_out", f"not called alone after {timeouts} rows timed out"))
+                continue
+            try:
+                out += self._checked(self._timed(prompts[i:i + 1], completions[i:i + 1], rows[i:i + 1],
+                                                 None if context is None else context.rows(i, i + 1)), 1)
+            except CallTimedOut as err:
+                timeouts += 1
+                out.append(self._failed(i, "timed_out", err, prompts, completions, rows))
+            except UserInputError:
+                raise  # a wrong return shape is a bug in the function, not a row's failure
+            except Exception as err:  # noqa: BLE001 - the row's failure, reported or counted
+                out.append(self._failed(i, "raised", err, prompts, completions, rows))
+        lost = [(i, v) for i, v in enumerate(out) if isinstance(v, Lost)]
+        if not lost:
+            if self.limits.errors == "stop":
+                raise self._batch_error(batch_err, len(prompts)) from batch_err
+            log.warning("%s; each row's own value kept", self._batch_error(batch_err, len(prompts)).what)
+        for _, v in lost:
+            self.lost[v.kind] += 1
+        if lost:
+            more = f"; {len(lost) - 1} more of the batch's {len(prompts)} rows failed too" if len(lost) > 1 else ""
+            log.warning("%s%s: left out (--reward_errors invalid)", lost[0][1].reason, more)
+        return out
+
+    def _failed(self, i: int, kind: str, err: Exception, prompts, completions, rows) -> Lost:
+        """The row's failure: raised at once under errors="stop", else returned as Lost."""
+        row = f"row {i}{_where(rows[i])}, prompt {_short(prompts[i])}, completion {_short(completions[i])}"
+        if kind == "timed_out":
+            at = f"; it was at {err.where}" if err.where else ""
+            what = f"{self.what} {self.name} did not return within {err.seconds:g} s on {row}{at}"
+            fix = ("make it faster on such rows or give it its own time limit; raise --reward_timeout (0 = no limit), "
+                   "or pass --reward_errors invalid to leave such rows out and count them")
+        else:
+            what = f"{self.what} {self.name} raised {type(err).__name__}: {err} on {row}"
+            fix = ("fix the function (it must accept every row of the data) or that row, or pass --reward_errors "
+                   "invalid to leave such rows out and count them")
+        if self.limits.errors == "stop":
+            raise UserInputError(what, self.name, fix) from err
+        return Lost(kind, what)
+
+    def _batch_error(self, err: Exception, n: int) -> UserInputError:
+        if isinstance(err, CallTimedOut):
+            return UserInputError(f"{self.what} {self.name} did not return within {err.seconds:g} s on the batch "
+                                  f"of {n} rows, though each row alone did", self.name,
+                                  "make it faster, or raise --reward_timeout (0 = no limit)")
+        return UserInputError(f"{self.what} {self.name} raised {type(err).__name__}: {err} on the batch of "
+                              f"{n} rows (no single row fails alone)", self.name)
 
     def _call(self, prompts, completions, rows, context: ScoreContext | None):
         arguments = column_lists(rows)
@@ -117,20 +225,6 @@ class UserFunctionCall:
             prompts = [list(row.messages) for row in rows]
             completions = [[{"role": "assistant", "content": text}] for text in completions]
         return self.fn(prompts=list(prompts), completions=list(completions), **arguments)
-
-    def _located(self, err: Exception, prompts, completions, rows, context) -> UserInputError:
-        for i in range(len(prompts)):
-            try:
-                self._call(prompts[i:i + 1], completions[i:i + 1], rows[i:i + 1],
-                           None if context is None else context.rows(i, i + 1))
-            except Exception as row_err:  # noqa: BLE001 - reported below
-                where = f" ({rows[i].where})" if rows[i].where else ""
-                return UserInputError(
-                    f"{self.what} {self.name} raised {type(row_err).__name__}: {row_err} on row {i}{where}, "
-                    f"prompt {_short(prompts[i])}, completion {_short(completions[i])}", self.name,
-                    "fix the function (it must accept every row of the data), or fix that row")
-        return UserInputError(f"{self.what} {self.name} raised {type(err).__name__}: {err} on the batch of "
-                              f"{len(prompts)} rows (no single row fails alone)", self.name)
 
 
 TRAINER_ARGUMENTS = ("completion_ids", "trainer_state")  # a dataset column of either name is not passed on
@@ -154,51 +248,106 @@ def _inspectable(fn) -> bool:
     return True
 
 
-def _short(text: str, limit: int = 80) -> str:
+def _brief(value, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _short(text, limit: int = 80) -> str:
+    text = text if isinstance(text, str) else repr(text)  # a conversational prompt: its message list
     return repr(text if len(text) <= limit else text[:limit] + "...")
 
 
 class FunctionReward:
-    """A user reward function as a reward source: floats, None / NaN marking rows it cannot score."""
+    """A user reward function as a reward source: floats, None / NaN marking rows it cannot score (and, under
+    `--reward_errors invalid`, rows it raised or timed out on)."""
 
-    def __init__(self, fn: UserFunction, name: str | None = None):
-        self.call = UserFunctionCall(fn, "reward function", name)
+    def __init__(self, fn: UserFunction, name: str | None = None, limits: CallLimits = CallLimits()):
+        self.call = UserFunctionCall(fn, "reward function", name, limits)
         self.name = self.call.name
 
     def __call__(self, prompts: list[str], responses: list[str], rows: Sequence[PromptRow],
                  context: ScoreContext | None = None) -> Scored:
         check_lengths(prompts, responses, rows)
         values = self.call(prompts, responses, rows, context)
-        scores = torch.tensor([_as_float(v, self.name, i) for i, v in enumerate(values)], dtype=torch.float32)
+        scores = torch.tensor([math.nan if isinstance(v, Lost) else self._as_float(v, i, prompts, rows)
+                               for i, v in enumerate(values)], dtype=torch.float32)
         return scored(scores, torch.isfinite(scores))
 
+    def _as_float(self, value, row: int, prompts, rows) -> float:
+        value = _plain(value)
+        if value is None:
+            return math.nan
+        if isinstance(value, (bool, int, float)):
+            return float(value)
+        raise UserInputError(f"reward function {self.name} returned {_brief(value)} (a {type(value).__name__}) "
+                             f"for row {row}{_where(rows[row])}, prompt {_short(prompts[row])}", self.name,
+                             "return one float per completion (or None where it cannot score the row), not a "
+                             "nested list or a (B, 1) tensor")
 
-def _as_float(value, name: str, row: int) -> float:
-    if value is None:
-        return math.nan
-    if isinstance(value, (bool, int, float)) or (isinstance(value, torch.Tensor) and value.numel() == 1):
-        return float(value)
-    raise UserInputError(f"reward function {name} returned a {type(value).__name__} for row {row}", name,
-                         "return a float (or None where the row cannot be scored)")
+
+def _plain(value):
+    """A one-element tensor or a numpy scalar as the Python number it holds; anything else as it is."""
+    if isinstance(value, torch.Tensor):
+        return value.item() if value.numel() == 1 else value
+    if type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 0:
+        return value.item()
+    return value
+
+
+def _where(row: PromptRow) -> str:
+    return f" ({row.where})" if row.where else ""
 
 
 class FunctionVerifier:
-    """A user verifier: pass / fail per row (None counts as a failure, kind "unverified")."""
+    """A user verifier: pass / fail per row (None counts as a failure, kind "unverified"; a row it raised or
+    timed out on under `--reward_errors invalid`: a failure of kind "error")."""
 
-    def __init__(self, fn: UserFunction, name: str | None = None):
-        self.call = UserFunctionCall(fn, "verifier", name)
+    def __init__(self, fn: UserFunction, name: str | None = None, limits: CallLimits = CallLimits()):
+        self.call = UserFunctionCall(fn, "verifier", name, limits)
         self.name = self.call.name
 
     def __call__(self, prompts: list[str], completions: list[str], rows: Sequence[PromptRow],
                  ended_with_eos: Sequence[bool] | None = None) -> list[Check]:
         checks = []
         for i, value in enumerate(self.call(prompts, completions, rows)):
-            if value is None:
+            value = _plain(value)
+            if isinstance(value, Lost):
+                checks.append(Check(False, "error", value.reason))
+            elif value is None:
                 checks.append(Check(False, "unverified", f"{self.name} could not check this row"))
             elif isinstance(value, (bool, int, float)) and value in (0, 1):
                 passed = bool(value)
                 checks.append(Check(passed, "pass" if passed else "fail", "" if passed else f"{self.name}: fail"))
             else:
-                raise UserInputError(f"verifier {self.name} returned {value!r} for row {i}", self.name,
+                raise UserInputError(f"verifier {self.name} returned {_brief(value)} for row {i}"
+                                     f"{_where(rows[i])}, prompt {_short(prompts[i])}", self.name,
                                      "return True / False (or None where it cannot check the row)")
         return checks
+
+
+def _calls(sources) -> list[UserFunctionCall]:
+    """The user functions among `sources`, a CombinedReward's parts included."""
+    parts = [p for s in sources for p in ([x for x, _ in s.sources] if hasattr(s, "sources") else [s])]
+    return [p.call for p in parts if isinstance(getattr(p, "call", None), UserFunctionCall)]
+
+
+def lost_rows(*sources) -> dict[str, dict[str, int]]:
+    """{"reward function NAME" | "verifier NAME": {"raised": n, "timed_out": n}} of every user function among
+    `sources` (a CombinedReward's parts included): the rows each has lost so far in this process."""
+    out: dict[str, dict[str, int]] = {}
+    for call in _calls(sources):
+        key, n = f"{call.what} {call.name}", 2
+        while key in out:  # two functions of one name (from two files)
+            key, n = f"{call.what} {call.name} ({n})", n + 1
+        out[key] = dict(call.lost)
+    return out
+
+
+def error_summary(*sources) -> dict:
+    """summary.json's `reward_errors`: the mode and time limit of the user functions among `sources`, and the
+    rows each lost (`lost_rows`); {} when there is no user function."""
+    calls = _calls(sources)
+    if not calls:
+        return {}
+    return {"mode": calls[0].limits.errors, "timeout_s": calls[0].limits.timeout, "lost_rows": lost_rows(*sources)}

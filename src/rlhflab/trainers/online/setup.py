@@ -176,7 +176,13 @@ def reward_functions(cfg) -> list[tuple[rewards.FunctionReward, float]]:
         if len(weights) != len(specs):
             raise UserInputError(f"{len(weights)} reward weights for {len(specs)} reward functions",
                                  "--reward_weights", "give one weight per --reward_fn function, in the same order")
-    return [(rewards.FunctionReward(rewards.load_function(spec, "--reward_fn")), w) for spec, w in zip(specs, weights)]
+    return [(rewards.FunctionReward(rewards.load_function(spec, "--reward_fn"), limits=call_limits(cfg)), w)
+            for spec, w in zip(specs, weights)]
+
+
+def call_limits(cfg) -> rewards.CallLimits:
+    """`--reward_timeout` and `--reward_errors`: how the user's reward and verifier functions are called."""
+    return rewards.CallLimits(cfg.reward_timeout, cfg.reward_errors)
 
 
 def reward_kind(cfg: OnlineFields, given: Given = NOTHING) -> str:
@@ -195,7 +201,8 @@ def build_reward(cfg: OnlineFields, tokenizer, policy=None, calibration_rows=Non
     autocast (its weights stay in `--dtype`: frozen, they need no float32 master)."""
     autocast = (precision or MixedPrecision()).autocast
     kind = reward_kind(cfg, given)
-    parts = reward_functions(cfg) + [(rewards.FunctionReward(fn), weight) for fn, weight in given.reward_functions]
+    parts = reward_functions(cfg) + [(rewards.FunctionReward(fn, limits=call_limits(cfg)), weight)
+                                     for fn, weight in given.reward_functions]
     norm: dict = {}
     if kind == "random":
         rm = models.build_random_reward_model(tokenizer, seed=cfg.seed).to(resolve_device(cfg.device))
@@ -235,7 +242,7 @@ def build_verifier(cfg, prompts: PromptSplits, given: Given = NOTHING) -> reward
     """A verifier `given` in memory, else `--verifier`: a user function, 'checker', or by default the checker on
     the suite and none on user prompts."""
     if given.verifier is not None:
-        return rewards.FunctionVerifier(given.verifier)
+        return rewards.FunctionVerifier(given.verifier, limits=call_limits(cfg))
     spec = cfg.verifier.strip()
     if spec == "checker" or (not spec and prompts.is_suite):
         if not any(rewards.task_item(r) for r in prompts.validation[:1]):
@@ -244,7 +251,7 @@ def build_verifier(cfg, prompts: PromptSplits, given: Given = NOTHING) -> reward
         return rewards.CheckerVerifier()
     if not spec or spec == "none":
         return None
-    return rewards.FunctionVerifier(rewards.load_function(spec, "--verifier"))
+    return rewards.FunctionVerifier(rewards.load_function(spec, "--verifier"), limits=call_limits(cfg))
 
 
 def held_out_metric(cfg, given: Given = NOTHING) -> str:

@@ -1,0 +1,166 @@
+"""A user reward or verifier function that hangs, raises on a row, or returns something other than one float per
+row (issue 34 item 4): the time limit per call (`--reward_timeout`) names the function, the row it hangs on and its
+prompt; `--reward_errors invalid` leaves failing rows out and counts them per function; a wrong return is refused
+naming the function and the row."""
+
+import json
+import signal
+import textwrap
+import threading
+import time
+
+import pytest
+import torch
+from critic_free import tiny, update_rows
+from tinyhf import save_suite_model
+
+from rlhflab import rewards
+from rlhflab.config import GRPOConfig
+from rlhflab.data.prompt_rows import PromptRow
+from rlhflab.errors import UserInputError
+from rlhflab.rewards import CallLimits, FunctionReward, FunctionVerifier, call_with_deadline
+from rlhflab.rewards.deadline import CallTimedOut
+from rlhflab.trainers import grpo
+
+ROWS = [PromptRow(p, {"answer": str(i)}, where=f"prompts.jsonl:{i + 1}") for i, p in enumerate(["a", "b", "c"])]
+PROMPTS = [r.prompt for r in ROWS]
+
+
+def hangs_on_b(prompts, completions, **kwargs):
+    out = []
+    for p in prompts:
+        if p == "b":
+            threading.Event().wait()  # forever
+        out.append(float(len(p)))
+    return out
+
+
+def raises_on_b(prompts, completions, **kwargs):
+    return [1.0 / (p != "b") for p in prompts]
+
+
+def passes_unless_b(prompts, completions, **kwargs):
+    if "b" in prompts:
+        raise KeyError("no answer for b")
+    return [True] * len(prompts)
+
+
+def test_a_hang_ends_the_call_naming_the_function_the_row_its_prompt_and_the_line():
+    started = time.time()
+    with pytest.raises(UserInputError) as err:
+        FunctionReward(hangs_on_b, limits=CallLimits(timeout=0.5))(PROMPTS, ["x", "y", "z"], ROWS)
+    message = str(err.value)
+    assert time.time() - started < 3  # the batch's 0.5 s, then row b's alone
+    assert "reward function hangs_on_b did not return within 0.5 s on row 1 (prompts.jsonl:2)" in message
+    assert "prompt 'b', completion 'y'" in message and "test_reward_faults.py" in message
+    assert "--reward_timeout" in message and "--reward_errors invalid" in message
+    assert signal.getsignal(signal.SIGURG) == signal.SIG_DFL  # the watchdog's handler is gone
+
+
+def test_invalid_leaves_out_only_the_rows_that_hang_or_raise_and_counts_them_per_function():
+    invalid = CallLimits(timeout=0.5, errors="invalid")
+    hanging, raising = FunctionReward(hangs_on_b, limits=invalid), FunctionReward(raises_on_b, limits=invalid)
+    out = hanging(PROMPTS, ["x", "y", "z"], ROWS)
+    assert out.valid.tolist() == [True, False, True] and out.scores.tolist() == [1.0, 0.0, 1.0]
+    out = rewards.CombinedReward([(hanging, 1.0), (raising, 1.0)])(PROMPTS, ["x", "y", "z"], ROWS)
+    assert out.valid.tolist() == [True, False, True] and out.scores.tolist() == [2.0, 0.0, 2.0]
+    verifier = FunctionVerifier(passes_unless_b, limits=invalid)
+    checks = verifier(PROMPTS, ["x", "y", "z"], ROWS)
+    assert [c.kind for c in checks] == ["pass", "error", "pass"] and "KeyError" in checks[1].reason
+    summary = rewards.error_summary(rewards.CombinedReward([(hanging, 1.0), (raising, 1.0)]), verifier)
+    assert summary == {"mode": "invalid", "timeout_s": 0.5, "lost_rows": {
+        "reward function hangs_on_b": {"raised": 0, "timed_out": 2},
+        "reward function raises_on_b": {"raised": 1, "timed_out": 0},
+        "verifier passes_unless_b": {"raised": 1, "timed_out": 0}}}
+    assert rewards.error_summary(rewards.CheckerReward(), None) == {}
+
+
+@pytest.mark.parametrize("returned, named", [
+    ("1.0", "returned a str for 3 completions"),
+    ([[1.0], [2.0], [3.0]], "returned [1.0] (a list) for row 0 (prompts.jsonl:1), prompt 'a'"),
+    (torch.ones(3, 2), "returned [1.0, 1.0] (a list) for row 0"),
+    (torch.ones(4), "returned 4 values for 3 completions"),
+    (["1", 2.0, 3.0], "returned '1' (a str) for row 0"),
+])
+@pytest.mark.parametrize("errors", ["stop", "invalid"])
+def test_a_return_that_is_not_one_float_per_row_is_refused_naming_the_function(returned, named, errors):
+    def wrong(prompts, completions, **kwargs):
+        return returned
+
+    with pytest.raises(UserInputError, match="wrong") as err:
+        FunctionReward(wrong, limits=CallLimits(errors=errors))(PROMPTS, ["x", "y", "z"], ROWS)
+    assert named in str(err.value)
+
+
+def test_the_call_stays_on_the_main_thread_and_an_interrupt_it_swallows_still_times_it_out():
+    def alarm_inside():  # math_verify's parse / verify time themselves with SIGALRM, main thread only
+        previous = signal.signal(signal.SIGALRM, lambda *_: None)
+        signal.signal(signal.SIGALRM, previous)
+        return threading.current_thread() is threading.main_thread()
+
+    def swallows():
+        try:
+            time.sleep(60)
+        except BaseException:  # noqa: BLE001 - a bare except in a user's function
+            return 1.0
+
+    assert call_with_deadline(alarm_inside, 5.0) is True
+    with pytest.raises(CallTimedOut, match="no answer after 0.3 s"):
+        call_with_deadline(swallows, 0.3)
+    assert call_with_deadline(lambda: 7, 0) == 7  # 0 = no limit
+
+
+def test_off_the_main_thread_a_daemon_worker_runs_the_call():
+    caught = []
+
+    def caller():
+        try:
+            call_with_deadline(lambda: threading.Event().wait(), 0.3)
+        except CallTimedOut as err:
+            caught.append(err)
+
+    thread = threading.Thread(target=caller)
+    thread.start()
+    thread.join(5)
+    assert caught and "test_reward_faults.py" in caught[0].where
+
+
+@pytest.fixture(scope="module")
+def policy_dir(tmp_path_factory):
+    return save_suite_model(tmp_path_factory.mktemp("policy"))
+
+
+USER_FILE = '''
+import threading
+
+def sleeps_forever(prompts, completions, **kwargs):
+    threading.Event().wait()
+
+def fails_on_some(prompts, completions, **kwargs):
+    return [1.0 / (len(c) % 3) for c in completions]
+'''
+
+
+def test_a_grpo_run_with_a_reward_function_that_hangs_ends_after_the_timeout(policy_dir, tmp_path):
+    path = tmp_path / "user_rewards.py"
+    path.write_text(textwrap.dedent(USER_FILE))
+    cfg = tiny(GRPOConfig, policy_dir, num_generations=4, reward_fn=f"{path}:sleeps_forever", reward_timeout=1,
+               output_dir=str(tmp_path / "run"), headroom_samples=0)
+    started = time.time()
+    with pytest.raises(UserInputError) as err:
+        grpo.train(cfg)
+    assert time.time() - started < 30
+    message = str(err.value)
+    assert "reward function sleeps_forever did not return within 1 s on row 0" in message
+    assert "prompt '" in message and "user_rewards.py:5 (sleeps_forever)" in message
+
+
+def test_a_grpo_run_leaves_out_the_rows_a_function_raises_on_under_invalid(policy_dir, tmp_path):
+    path = tmp_path / "user_rewards.py"
+    path.write_text(textwrap.dedent(USER_FILE))
+    cfg = tiny(GRPOConfig, policy_dir, num_generations=4, reward_fn=f"{path}:fails_on_some", reward_errors="invalid",
+               output_dir=str(tmp_path / "run"), headroom_samples=0, total_episodes=16)
+    result = grpo.train(cfg)
+    invalid = sum(row["reward/invalid_rows"] for row in update_rows(result.run_dir))
+    assert 0 < invalid < 16
+    assert json.loads((result.run_dir / "summary.json").read_text())["updates"] == 2
