@@ -1,12 +1,15 @@
 """--async_generation: rollouts sampled in a second process with weights at most k updates old. k = 0 is the
 synchronous run bit for bit; k = 1 trains on rollouts exactly one update stale after the first, corrected by the
 importance weights; a generator that dies ends the run with a clear message; a resume takes back the rollouts in
-flight from the checkpoint and ends with the uninterrupted run's weights."""
+flight from the checkpoint and ends with the uninterrupted run's weights, after a SIGKILL too; at k = 1 a run learns
+on the suite beyond noise."""
 
 import json
 import multiprocessing
 import os
 import signal
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -192,3 +195,62 @@ def test_k1_learns_on_the_suite_beyond_noise(policy_dir, tmp_path):
     start, end = rate_interval(held_out["start"], 24), rate_interval(held_out["end"], 24)
     assert end.low > start.high, (held_out, start, end)
     assert max(u["async/staleness"] for u in updates(result.run_dir)) == 1
+
+
+VARIED = "def varied(prompts, completions, **columns):\n    return [len(set(c)) / 10 for c in completions]\n"
+
+
+def test_sigkill_mid_run_then_resume_gives_the_uninterrupted_weights_bit_for_bit(policy_dir, tmp_path):
+    """The CLI run killed (SIGKILL to the trainer) right after its step-2 checkpoint, while the generator samples
+    ahead: the generator ends by itself, and `--resume latest` trains on the rollouts the checkpoint kept in flight,
+    ending bit for bit where the uninterrupted run ends (the in-flight rollouts are the checkpoint's, and every
+    later one is sampled from the weights of a fixed update with that update's own seed: nothing depends on timing)."""
+    from runcheck import assert_same_weights, start_cli, wait_for
+
+    from rlhflab.checkpoint import MARKER
+    from rlhflab.config import STAGES, parse_config
+
+    (tmp_path / "varied.py").write_text(VARIED)
+    args = ["grpo", "--model", policy_dir, "--reward_fn", f"{tmp_path / 'varied.py'}:varied", "--num_generations", "4",
+            "--async_generation", "true", "--max_staleness", "1", "--batch_size", "16", "--total_episodes", "96",
+            "--response_length", "8", "--eval_every", "0", "--eval_prompts", "8", "--progress", "false",
+            "--threads", "1", "--save_every", "2", "--learning_rate", "1e-3", "--warmup_steps", "0",
+            "--headroom_samples", "0"]
+    whole = grpo.train(parse_config(STAGES["grpo"], [*args[1:], "--output_dir", str(tmp_path / "whole")], prog="grpo"))
+    cut = tmp_path / "cut"
+    proc = start_cli(*args, "--output_dir", str(cut))
+    wait_for(cut / "checkpoints" / "step-2" / MARKER, proc)
+    generator = [pid for pid in children_of(proc.pid)  # (the other child is multiprocessing's resource tracker)
+                 if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate(timeout=60)
+    assert len(generator) == 1 and not (cut / "summary.json").exists()
+    deadline = time.time() + 10  # the orphaned generator notices within a second (POLL_S) and ends
+    while running(generator[0]):
+        assert time.time() < deadline, "the generator outlived its trainer"
+        time.sleep(0.1)
+    resumed = start_cli(*args, "--output_dir", str(cut), "--resume", "latest")
+    _, err = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, err[-3000:]
+    assert_same_weights(whole.run_dir, cut)
+    assert [u["async/staleness"] for u in updates(cut)] == [0, 1, 1, 1, 1, 1]
+
+
+def children_of(pid: int) -> list[int]:
+    """The processes whose parent is `pid`, from /proc."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    return found
+
+
+def running(pid: int) -> bool:
+    """Whether `pid` exists and is not a zombie (ended, not yet reaped)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
