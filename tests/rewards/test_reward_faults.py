@@ -164,3 +164,28 @@ def test_a_grpo_run_leaves_out_the_rows_a_function_raises_on_under_invalid(polic
     invalid = sum(row["reward/invalid_rows"] for row in update_rows(result.run_dir))
     assert 0 < invalid < 16
     assert json.loads((result.run_dir / "summary.json").read_text())["updates"] == 2
+
+
+def test_eval_counts_a_verifier_s_lost_rows_in_its_summary(policy_dir, tmp_path):
+    from rlhflab.config import EvalConfig
+    from rlhflab.eval.pass_rate import evaluate
+
+    (tmp_path / "checks.py").write_text("def raises_on_b(prompts, completions, **kwargs):\n"
+                                        "    return [1 / (p != 'Say b.') > 2 for p in prompts]\n")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"Say {w}."}) + "\n" for w in "abc"))
+    cfg = EvalConfig(model=policy_dir, prompts_file=str(prompts), verifier=f"{tmp_path / 'checks.py'}:raises_on_b",
+                     reward_errors="invalid", max_new_tokens=4, output_dir=str(tmp_path / "eval"), progress=False)
+    summary = evaluate(cfg).summary
+    assert summary["reward_errors"]["lost_rows"] == {"verifier raises_on_b": {"raised": 1, "timed_out": 0}}
+    kinds = [json.loads(line)["kind"] for line in (tmp_path / "eval" / "samples.jsonl").read_text().splitlines()]
+    assert kinds == ["fail", "error", "fail"]
+
+
+def test_lost_rows_are_summed_over_ranks(monkeypatch):
+    from rlhflab import parallel
+
+    reward = FunctionReward(raises_on_b, limits=CallLimits(errors="invalid"))
+    reward(PROMPTS, ["x", "y", "z"], ROWS)
+    monkeypatch.setattr(parallel, "all_sum", lambda t, world: t * world)  # `world` ranks that lost the same rows
+    assert rewards.lost_rows(reward, world=3) == {"reward function raises_on_b": {"raised": 3, "timed_out": 0}}

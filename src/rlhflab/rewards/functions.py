@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from rlhflab import parallel
 from rlhflab.data.prompt_rows import PromptRow, column_lists
 from rlhflab.errors import UserInputError
 from rlhflab.rewards.base import Check, ScoreContext, Scored, check_lengths, scored
@@ -90,6 +91,7 @@ def function_name(fn: UserFunction) -> str:
 
 
 ERROR_MODES = ("stop", "invalid")
+LOST_KINDS = ("raised", "timed_out")
 MAX_ROW_TIMEOUTS = 2  # per call, when rows are called alone to find the ones that fail: the rest are then lost
 
 
@@ -115,7 +117,7 @@ class CallLimits:
 class Lost:
     """A row the function raised or timed out on, left out under `--reward_errors invalid`."""
 
-    kind: str  # "raised" or "timed_out"
+    kind: str  # one of LOST_KINDS
     reason: str
 
 
@@ -132,7 +134,7 @@ class UserFunctionCall:
         params = inspect.signature(fn).parameters.values() if _inspectable(fn) else ()
         self.takes_all = not params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
         self.named = {p.name for p in params}
-        self.lost = {"raised": 0, "timed_out": 0}
+        self.lost = dict.fromkeys(LOST_KINDS, 0)
 
     def __call__(self, prompts: list[str], completions: list[str], rows: Sequence[PromptRow],
                  context: ScoreContext | None = None) -> list:
@@ -332,22 +334,28 @@ def _calls(sources) -> list[UserFunctionCall]:
     return [p.call for p in parts if isinstance(getattr(p, "call", None), UserFunctionCall)]
 
 
-def lost_rows(*sources) -> dict[str, dict[str, int]]:
+def lost_rows(*sources, world=None) -> dict[str, dict[str, int]]:
     """{"reward function NAME" | "verifier NAME": {"raised": n, "timed_out": n}} of every user function among
-    `sources` (a CombinedReward's parts included): the rows each has lost so far in this process."""
+    `sources` (a CombinedReward's parts included): the rows each has lost so far in this process, or, given a
+    `parallel.World`, summed over its ranks (then every rank must call it: a collective)."""
+    calls = _calls(sources)
+    counts = torch.tensor([[call.lost[k] for k in LOST_KINDS] for call in calls], dtype=torch.long).reshape(-1, 2)
+    if world is not None and calls:
+        counts = parallel.all_sum(counts, world).cpu()
     out: dict[str, dict[str, int]] = {}
-    for call in _calls(sources):
+    for call, row in zip(calls, counts.tolist()):
         key, n = f"{call.what} {call.name}", 2
         while key in out:  # two functions of one name (from two files)
             key, n = f"{call.what} {call.name} ({n})", n + 1
-        out[key] = dict(call.lost)
+        out[key] = dict(zip(LOST_KINDS, row))
     return out
 
 
-def error_summary(*sources) -> dict:
+def error_summary(*sources, world=None) -> dict:
     """summary.json's `reward_errors`: the mode and time limit of the user functions among `sources`, and the
-    rows each lost (`lost_rows`); {} when there is no user function."""
+    rows each lost (`lost_rows`, over `world`'s ranks when given); {} when there is no user function."""
     calls = _calls(sources)
     if not calls:
         return {}
-    return {"mode": calls[0].limits.errors, "timeout_s": calls[0].limits.timeout, "lost_rows": lost_rows(*sources)}
+    return {"mode": calls[0].limits.errors, "timeout_s": calls[0].limits.timeout,
+            "lost_rows": lost_rows(*sources, world=world)}
