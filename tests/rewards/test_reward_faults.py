@@ -189,3 +189,31 @@ def test_lost_rows_are_summed_over_ranks(monkeypatch):
     reward(PROMPTS, ["x", "y", "z"], ROWS)
     monkeypatch.setattr(parallel, "all_sum", lambda t, world: t * world)  # `world` ranks that lost the same rows
     assert rewards.lost_rows(reward, world=3) == {"reward function raises_on_b": {"raised": 3, "timed_out": 0}}
+
+
+STUCK = '''
+import importlib.util, signal, sys, time
+spec = importlib.util.spec_from_file_location("deadline", sys.argv[1])  # stdlib only: no torch to import
+deadline = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(deadline)
+deadline.HARD_EXIT_AFTER_S, deadline.RESEND_EVERY_S = 0.4, 0.1
+
+def stuck():  # as C code that never returns to Python: the interrupt is never delivered
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGURG})
+    time.sleep(30)
+
+deadline.call_with_deadline(stuck, 0.3, "reward function stuck")
+'''
+
+
+def test_a_call_that_cannot_be_interrupted_ends_the_process_with_the_message():
+    import subprocess
+    import sys
+
+    from rlhflab.rewards import deadline
+
+    started = time.time()
+    done = subprocess.run([sys.executable, "-c", STUCK, deadline.__file__], capture_output=True, text=True, timeout=20)
+    assert time.time() - started < 10
+    assert done.returncode == 2
+    assert "reward function stuck did not return within 0.3 s and did not stop when interrupted" in done.stderr
