@@ -4,6 +4,7 @@ records the seed and the settings that decide it (versions.json "determinism")."
 import json
 import os
 
+import pytest
 import torch
 from runcheck import assert_same_weights, metrics, sft_args, train
 
@@ -19,6 +20,9 @@ def test_two_same_seed_sft_runs_give_identical_metrics_and_weights(tmp_path):
     assert rows and any("val/loss" in r for r in rows)
     assert rows == metrics(tmp_path / "b")
     assert_same_weights(tmp_path / "a", tmp_path / "b")
+    train([*sft_args(tmp_path / "c"), "--seed", "4"])  # and another seed gives other weights (the seed is used)
+    with pytest.raises(AssertionError, match="differs"):
+        assert_same_weights(tmp_path / "a", tmp_path / "c")
     record = determinism(tmp_path / "a")
     assert record["seed"] == 3 and record["torch_threads"] == 1  # runcheck's --seed 3 --threads 1
     assert record["deterministic_algorithms"] is False

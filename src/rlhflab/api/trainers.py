@@ -18,6 +18,7 @@ from typing import Any
 from rlhflab.api.inputs import (check_config, check_function, lora_fields, reward_functions, write_dataset,
                                 write_model)
 from rlhflab.callbacks import Callback
+from rlhflab.checkpoint.ownership import releasing_locks
 from rlhflab.checkpoint.resume import resume_target
 from rlhflab.config import (STAGES, DPOConfig, GRPOConfig, OnlineDPOConfig, PPOConfig, REINFORCEConfig, RLOOConfig,
                             RMConfig, SFTConfig)
@@ -32,6 +33,13 @@ ONLINE_STAGES = ("ppo", "grpo", "rloo", "reinforce", "online-dpo")
 
 
 def run_stage(stage: str, cfg, given: Given = NOTHING) -> RunResult:
+    """Run one training stage on `cfg` (what `rlhflab STAGE` does after parsing its flags); the run folder's lock
+    is released however the stage ends, and a failure says where a run it was replacing is kept."""
+    with releasing_locks():
+        return _run_stage(stage, cfg, given)
+
+
+def _run_stage(stage: str, cfg, given: Given = NOTHING) -> RunResult:
     """Run one training stage on `cfg` (what `rlhflab STAGE` does after parsing its flags): sft, rm, dpo, or an
     online stage with its alarms and stopping rule (`RunMonitor.from_config`)."""
     import importlib

@@ -9,7 +9,11 @@ kept with a warning counting the rows lost), and complete
 checkpoints newer than the one resumed from (an abandoned future) are deleted. Those
 changes to the folder wait for `Resumed.commit()`, which a trainer calls once the
 checkpoint is unpacked into its model and optimiser: a resume that fails there (weights
-that do not fit the model) leaves the run folder exactly as it was.
+that do not fit the model) leaves the run folder exactly as it was. What the run reads again (model
+and data folders, reward function files, versions) must match RUN/fingerprints.json too
+(checkpoint/fingerprints.py), under the same rule as the config. The process that writes the folder
+holds its lock, and a fresh run with `--overwrite` sets the run it replaces aside until its first
+checkpoint (checkpoint/ownership.py).
 """
 
 from __future__ import annotations
@@ -28,13 +32,16 @@ import yaml
 from rlhflab import parallel
 from rlhflab.checkpoint.folder import SHARDED, _fsync_file, begin_checkpoint, complete_checkpoints, is_complete
 from rlhflab.checkpoint.folder import finish_checkpoint, latest_checkpoint, load_checkpoint, remove_checkpoint, step_of
+from rlhflab.checkpoint import fingerprints as prints
+from rlhflab.checkpoint.ownership import OwnedRun, drop_replaced, holds_run, kept_message, lock_run, release_run
+from rlhflab.checkpoint.ownership import replaced, set_aside
 from rlhflab.checkpoint.ranks import FollowerRun, check_layout
 from rlhflab.checkpoint.signals import Interrupted, StopSignals
 from rlhflab.callbacks import Callback
 from rlhflab.checkpoint.state import all_finite, encode
 from rlhflab.config import config_to_dict, write_config
 from rlhflab.errors import UserInputError, WriteFailed, write_error_reason
-from rlhflab.tracking import RunDir, default_run_path
+from rlhflab.tracking import RunDir, check_folder_free, default_run_path, sink_names
 
 log = logging.getLogger("rlhflab")
 
@@ -68,8 +75,10 @@ def resume_target(cfg) -> tuple[Path, Path]:
         run_path = Path(cfg.output_dir)
         found = latest_checkpoint(run_path / "checkpoints")
         if found is None:
+            kept = replaced(run_path)  # a replacing run that ended before its first checkpoint
             raise UserInputError("no complete checkpoint to resume from", str(run_path / "checkpoints"),
-                                 "start the run again (with --overwrite to replace the folder)")
+                                 "start the run again (with --overwrite to replace the folder)"
+                                 + (f"; {kept_message(run_path, kept)}" if kept else ""))
         return run_path, found
     checkpoint = Path(cfg.resume)
     if step_of(checkpoint) is None or checkpoint.parent.name != "checkpoints":
@@ -186,27 +195,70 @@ def open_run(cfg, stage: str, layout: parallel.Layout = SINGLE_LAYOUT,
 
 def _open_here(cfg, stage: str, layout: parallel.Layout,
                callbacks: Sequence[Callback]) -> tuple[RunDir, Resumed | None]:
-    """`open_run` in the process that writes the run folder."""
+    """`open_run` in the process that writes the run folder: it takes the folder's lock first (ownership.py),
+    released again when opening fails."""
+    path = resume_target(cfg)[0] if cfg.resume else Path(cfg.output_dir or default_run_path(stage))
+    sink_names(cfg.report_to)  # a typo fails before anything is locked or moved
     if not cfg.resume:
-        run = RunDir(cfg.output_dir or default_run_path(stage), overwrite=cfg.overwrite, report_to=cfg.report_to,
-                     callbacks=callbacks)
-        # a replaced run's leftovers: never resume into its checkpoints, never merge into its summary / report
-        shutil.rmtree(run.path / "checkpoints", ignore_errors=True)
-        for name in ("summary.json", "report.html"):
-            (run.path / name).unlink(missing_ok=True)
-        write_config(cfg, run.path / "config.yaml")
-        run.write_versions(cfg.seed)
-        return run, None
+        check_folder_free(path, cfg.overwrite)  # another run there, without --overwrite: refused untouched
+    lock_run(path)
+    try:
+        return _open_resumed(cfg, stage, layout, callbacks) if cfg.resume else _open_fresh(cfg, path, callbacks)
+    except BaseException:
+        release_run(path)
+        raise
+
+
+def _open_fresh(cfg, path: Path, callbacks: Sequence[Callback]) -> tuple[RunDir, None]:
+    """A new run in `path` (locked); a run there (--overwrite) is set aside until this one checkpoints."""
+    if holds_run(path):
+        reads_inputs = any(str(v).startswith(str(path / "inputs")) for v in config_to_dict(cfg).values())
+        set_aside(path, read_inputs=reads_inputs)
+    run = OwnedRun(path, overwrite=cfg.overwrite, report_to=cfg.report_to, callbacks=callbacks)
+    # leftovers of a folder that held no whole run: never resume into its checkpoints, never merge into its
+    # summary / report
+    shutil.rmtree(run.path / "checkpoints", ignore_errors=True)
+    for name in ("summary.json", "report.html"):
+        (run.path / name).unlink(missing_ok=True)
+    write_config(cfg, run.path / "config.yaml")
+    run.write_json(prints.FILE, prints.fingerprints(cfg))
+    run.write_versions(cfg.seed)
+    return run, None
+
+
+def input_changes(cfg, run_path: Path) -> tuple[dict[str, dict], dict[str, str]]:
+    """(what differs from RUN/fingerprints.json, the fingerprints now); a run started before they were
+    recorded has nothing to differ from."""
+    now = prints.fingerprints(cfg)
+    saved = run_path / prints.FILE
+    if not saved.is_file():
+        log.info("%s has no %s (started by an older rlhflab): its inputs are not checked", run_path, prints.FILE)
+        return {}, now
+    try:
+        was = json.loads(saved.read_text())
+    except ValueError as err:
+        raise UserInputError(f"unreadable {prints.FILE} ({err})", str(saved),
+                             "restore it, or delete it to resume without checking the inputs") from err
+    return prints.fingerprint_changes(was, now), now
+
+
+def _open_resumed(cfg, stage: str, layout: parallel.Layout,
+                  callbacks: Sequence[Callback]) -> tuple[RunDir, Resumed]:
     run_path, checkpoint = resume_target(cfg)
     changes = config_changes(cfg, run_path / "config.yaml")
-    if changes and not cfg.allow_config_change:
+    inputs, fingerprints_now = input_changes(cfg, run_path)
+    if (changes or inputs) and not cfg.allow_config_change:
         listed = "; ".join(f"{k}: {v['was']!r} -> {v['now']!r}" for k, v in changes.items())
-        raise UserInputError(f"the config differs from the run's config.yaml ({listed})", f"--resume {cfg.resume}",
-                             "resume with the run's own settings, or pass --allow_config_change to proceed")
+        read = "; ".join(f"{k}: {v['was'] or 'none'} -> {v['now'] or 'none'}" for k, v in inputs.items())
+        what = " and ".join(filter(None, [changes and f"the config differs from the run's config.yaml ({listed})",
+                                          inputs and f"what the run reads changed since it started ({read})"]))
+        raise UserInputError(what, f"--resume {cfg.resume}",
+                             "resume with the run's own settings and inputs, or pass --allow_config_change to "
+                             "proceed (the differences are recorded in summary.json)")
     step, weights, state = load_checkpoint(checkpoint)
     check_layout(state.get("parallel"), layout, f"--resume {cfg.resume}")
     check_histories(run_path, state["histories"])
-    run = RunDir(run_path, resume=True, report_to=cfg.report_to, callbacks=callbacks)
+    run = OwnedRun(run_path, resume=True, report_to=cfg.report_to, callbacks=callbacks)
 
     def commit() -> None:
         lost = restore_histories(run_path, state["histories"])
@@ -216,10 +268,14 @@ def _open_here(cfg, stage: str, layout: parallel.Layout,
         if changes:
             write_config(cfg, run_path / "config.yaml")
             log.warning("resuming with config changes: %s", changes)
+        if inputs:
+            log.warning("resuming with changed inputs: %s", inputs)
+        run.write_json(prints.FILE, fingerprints_now)
         run.write_versions(cfg.seed)
         summary = json.loads((run_path / "summary.json").read_text()) if (run_path / "summary.json").exists() else {}
         run.update_summary(resumes=[*summary.get("resumes", []),
                                     {"step": step, "checkpoint": str(checkpoint), "config_changes": changes,
+                                     "input_changes": inputs,
                                      **({"lost_history_rows": lost} if lost else {})}])
         log.info("resuming %s from %s (step %d)", stage, checkpoint, step)
 
@@ -267,6 +323,8 @@ class Checkpointer:
         signum = self.layout.world.max(self.signals.requested or 0) or None  # any rank's signal stops them all
         if signum is not None or (self.save_every > 0 and step % self.save_every == 0):
             self.save(step, contents)
+            if signum is None:  # not one a signal asked for: a Ctrl-C to stop a mistaken --overwrite keeps the old run
+                self._drop_replaced()
         if signum is not None:
             raise Interrupted(signum, step, self.root / f"step-{step}")
 
@@ -274,6 +332,11 @@ class Checkpointer:
         """The end-of-run checkpoint, unless this step was just saved or `save_every` is negative (none)."""
         if self.save_every >= 0 and self.saved_step != step:
             self.save(step, contents)
+            self._drop_replaced()
+
+    def _drop_replaced(self) -> None:
+        if self.layout.world.is_main:
+            drop_replaced(self.run_path)
 
     def save(self, step: int, contents: Contents) -> Path:
         """Rank 0 packs (and checks) the contents and opens `.tmp-step-N`; with a sharded layout every rank
