@@ -7,6 +7,7 @@ import errno
 import json
 import logging
 import os
+import pickle
 import re
 import shlex
 import shutil
@@ -186,3 +187,25 @@ def test_a_real_full_disk_ends_with_exit_5_and_resumes_once_space_is_freed(refer
     ballast.unlink()
     assert main(resume_command(line, out)) == 0
     assert_same_weights(reference, out)
+
+
+def test_safetensors_io_errors_are_write_failures_and_the_message_crosses_to_other_ranks(tmp_path):
+    from safetensors import SafetensorError
+
+    from rlhflab.errors import write_error_reason
+
+    disk_full = SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+    assert write_error_reason(disk_full) == "No space left on device (ENOSPC)"
+    assert write_error_reason(SafetensorError("invalid header")) is None  # not a write failure: raised as it is
+    assert write_error_reason(KeyError("x")) is None
+    err = WriteFailed("checkpoint step-4", tmp_path / "checkpoints" / "step-4", "No space left on device (ENOSPC)",
+                      tmp_path, needed=3 << 20, stage="grpo")
+    (tmp_path / "checkpoints" / "step-2").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "step-2" / "COMPLETE").write_text("{}")
+    (tmp_path / "checkpoints" / "step-3").mkdir()  # never finished: not the one to resume from
+    crossed = pickle.loads(pickle.dumps(err))  # parallel.World.from_main sends rank 0's error to every rank
+    assert str(crossed) == str(err) and crossed.stage == "grpo"
+    assert re.fullmatch(rf"could not write checkpoint step-4 to {tmp_path}/checkpoints/step-4: No space left on "
+                        r"device \(ENOSPC\) \(needed about 3\.0 MiB, \d+\.\d MiB free\); last complete checkpoint "
+                        rf"{tmp_path}/checkpoints/step-2; free space, then resume with: rlhflab grpo --config "
+                        rf"{tmp_path}/config.yaml --resume latest --output_dir {tmp_path}", str(err))
