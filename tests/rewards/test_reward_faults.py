@@ -163,7 +163,10 @@ def test_a_grpo_run_leaves_out_the_rows_a_function_raises_on_under_invalid(polic
     result = grpo.train(cfg)
     invalid = sum(row["reward/invalid_rows"] for row in update_rows(result.run_dir))
     assert 0 < invalid < 16
-    assert json.loads((result.run_dir / "summary.json").read_text())["updates"] == 2
+    summary = json.loads((result.run_dir / "summary.json").read_text())
+    assert summary["updates"] == 2
+    assert summary["reward_errors"] == {"mode": "invalid", "timeout_s": 600.0, "lost_rows": {
+        "reward function fails_on_some": {"raised": invalid, "timed_out": 0}}}
 
 
 def test_eval_counts_a_verifier_s_lost_rows_in_its_summary(policy_dir, tmp_path):

@@ -1,12 +1,14 @@
 """Exact resume of the critic-free methods: GRPO killed with SIGKILL mid-run through the CLI and resumed with
 `--resume latest` equals the uninterrupted run bit for bit (as tests/checkpoint/test_resume.py does for PPO);
+RLOO, REINFORCE and online DPO killed twice (during a rollout just after a checkpoint, and an update past it)
+end with the uninterrupted run's weights, optimiser, schedule, algorithm state, RNGs and metrics;
 REINFORCE's moving baseline is in its checkpoint and a resume carries it on."""
 
 import json
 import shutil
 
 import pytest
-from runcheck import SUITE, assert_same_weights, kill_after, metrics, start_cli
+from runcheck import SUITE, WALL_CLOCK, assert_same_weights, kill_after, metrics, start_cli
 from tinyhf import save_suite_model
 
 from rlhflab.checkpoint import MARKER, complete_checkpoints
@@ -85,3 +87,113 @@ def test_reinforce_moving_baseline_is_checkpointed_and_carried_on_by_a_resume(po
     train([*args(resumed), "--resume", str(resumed / "checkpoints" / step3.name)])
     assert metrics(resumed) == metrics(reference)  # update 4 onwards read the restored baseline, not 0
     assert_same_weights(reference, resumed)
+
+
+# --- SIGKILL at two points of an update, for every critic-free method ----------------------------------------
+
+KILLING_REWARD = """import os
+import signal
+
+TRAINING_CALLS = [0]
+
+
+def digits(prompts, completions, **columns):
+    if len(completions) >= 8:  # a training batch (the headroom probe is off, evaluations read the checker)
+        TRAINING_CALLS[0] += 1
+        if str(TRAINING_CALLS[0]) == os.environ.get("KILL_AT_CALL"):
+            os.kill(os.getpid(), signal.SIGKILL)  # as the OOM killer or a lost node would: no clean-up at all
+    return [sum(c.isdigit() for c in t) / max(len(t), 1) for t in completions]
+"""
+KILLED = {"rloo": ["--num_generations", "4"], "reinforce": ["--baseline", "moving_average"],
+          "online-dpo": ["--num_generations", "4"]}
+
+
+def killed_args(stage, policy_dir, reward, out):
+    return online_args(stage, policy_dir, reward, out, *KILLED[stage], "--save_every", "2", "--headroom_samples", "0")
+
+
+def killed_at(call: int, args: list[str]) -> None:
+    """Run `rlhflab ARGS` in a process that SIGKILLs itself at its `call`-th training reward call."""
+    import os
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "rlhflab", *args],
+                          env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "KILL_AT_CALL": str(call)},
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == -9, done.stderr[-3000:]
+
+
+def final_state(run) -> dict:
+    """The end-of-run checkpoint's state, less what differs between any two runs (clocks, the resumes' record)."""
+    _, weights, state = load_checkpoint(complete_checkpoints(run / "checkpoints")[-1])
+    progress = state["progress"]
+    progress.pop("walls")
+    for row in ("first", "last_eval", "last"):  # the logged rows, as `metrics` compares them
+        progress[row] = {k: v for k, v in progress[row].items() if k not in WALL_CLOCK and not k.startswith("time/")}
+    return {"weights": weights, **{k: v for k, v in state.items() if k not in ("histories", "watch")}}
+
+
+def assert_same_state(a: dict, b: dict, where: str = "") -> None:
+    """Equal nested dicts / lists of tensors and plain values, tensors bit for bit."""
+    import numpy
+    import torch
+
+    if isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), where
+        for key in a:
+            assert_same_state(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same_state(x, y, f"{where}[{i}]")
+    elif isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, numpy.ndarray):  # numpy's RNG state
+        assert isinstance(b, numpy.ndarray) and numpy.array_equal(a, b), where
+    else:
+        assert a == b or (a != a and b != b), where  # NaN == NaN here
+
+
+@pytest.mark.parametrize("stage", sorted(KILLED))
+def test_sigkill_during_a_rollout_and_after_an_update_then_resume_ends_where_the_uninterrupted_run_ends(
+        stage, policy_dir, tmp_path):
+    """Killed twice: in update 3's scoring (nothing past checkpoint step-2 written), then, resumed, in update 4's
+    (update 3 logged past the checkpoint: trimmed again). The second resume ends with the uninterrupted run's
+    weights, AdamW moments, LR schedule, algorithm state, RNGs and metrics, bit for bit."""
+    (tmp_path / "digits.py").write_text(KILLING_REWARD)
+    reward = f"{tmp_path / 'digits.py'}:digits"
+    reference, out = tmp_path / "reference", tmp_path / "killed"
+    module = {"rloo": "rloo", "reinforce": "reinforce", "online-dpo": "online_dpo"}[stage]
+    cfg = parse_config(STAGES[stage], killed_args(stage, policy_dir, reward, reference)[1:], prog=stage)
+    import importlib
+
+    trainer = importlib.import_module(f"rlhflab.trainers.{module}")
+    trainer.train(cfg, monitor=RunMonitor.from_config(cfg))
+    killed_at(3, killed_args(stage, policy_dir, reward, out))
+    assert [r["step"] for r in metrics(out) if "objective/scores" in r] == [1, 2]
+    killed_at(2, [*killed_args(stage, policy_dir, reward, out), "--resume", "latest"])
+    assert [r["step"] for r in metrics(out) if "objective/scores" in r] == [1, 2, 3]  # past the checkpoint
+    cfg = parse_config(STAGES[stage], [*killed_args(stage, policy_dir, reward, out)[1:], "--resume", "latest"],
+                       prog=stage)
+    trainer.train(cfg, monitor=RunMonitor.from_config(cfg))
+    assert metrics(out) == metrics(reference)
+    assert_same_weights(reference, out)
+    assert_same_state(final_state(reference), final_state(out))
+    summary = json.loads((out / "summary.json").read_text())
+    assert [r["step"] for r in summary["resumes"]] == [2, 2]
+
+
+def test_the_console_samples_table_leaves_pythons_global_rng_where_it_was():
+    """rich's first import draws from Python's global RNG; in a resumed run that first import comes after the
+    RNGs were restored, so a reward function reading `random` would see another stream (found by the test above:
+    the checkpoints' Python RNG states differed when rich had been imported before the uninterrupted run)."""
+    import subprocess
+    import sys
+
+    code = ("import random; random.seed(1); before = random.getstate(); "
+            "from rlhflab.trainers.online.evaluate import samples_table; "
+            "samples_table([{'prompt': 'p', 'answer': 'a', 'passed': True}], 'title'); "
+            "assert random.getstate() == before, 'moved'")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import io
 import logging
+import random
 
 from rlhflab import rewards
 from rlhflab.data.prompt_rows import PromptRow
@@ -81,12 +82,17 @@ def samples_table(rows: list[dict], title: str, width: int = 110) -> str:
     """A compact `rich` table (prompt, answer, verdict or score) rendered to plain text for the log.
 
     rich is imported here only; model text goes in as `Text`, so brackets in an answer are
-    never read as rich markup.
+    never read as rich markup. Its first import draws from Python's global RNG (rich/style.py:
+    getrandbits(24)), which a user's reward function may read: the draw is undone, or a resumed run, whose
+    first import comes after its RNGs were restored, would see another stream than the uninterrupted run.
     """
+    state = random.getstate()
     from rich import box
     from rich.console import Console
     from rich.table import Table
     from rich.text import Text
+
+    random.setstate(state)
 
     table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
     table.add_column("prompt", max_width=70, overflow="fold")

@@ -414,6 +414,7 @@ def train_online(cfg, algorithm: Algorithm, run: RunDir | None = None, reward_fn
         nonfinite={"mode": cfg.nonfinite, "skipped_updates": skipped},
         parallel={**ranks.layout.describe(), **world.describe()},
         precision=precision.describe(),
+        reward_errors=rewards.error_summary(reward_fn, verifier, world=world),  # every rank: summed over them
     )
     run.close()
     return RunResult(run.path, summary, model_dir)
