@@ -186,7 +186,6 @@ class Runner:
         self.outputs = 0  # run folders named here for commands that name none
         (folder / "tiny_ppo.yaml").write_text(TINY_PPO_YAML)
         (folder / "tiny_rm.yaml").write_text(TINY_RM_YAML)
-        (folder / "tiny_compare.yaml").write_text(yaml.safe_dump(COMPARE_SECTIONS))
 
     # python ----------------------------------------------------------------------------------------------
     def run_python(self, block: Block) -> None:
@@ -255,8 +254,12 @@ class Runner:
                      "--rm_config", str(self.folder / "tiny_rm.yaml")]
         elif stage == "sweep":
             extra = flags(argv[argv.index("--stage") + 1] if "--stage" in argv else "ppo")
-        elif stage == "compare":
-            extra = [*flags("compare"), "--config", str(self.folder / "tiny_compare.yaml")]
+        elif stage == "compare":  # the tiny sections of the methods listed (a section for another is refused)
+            listed = argv[argv.index("--methods") + 1].split(",") if "--methods" in argv else list(COMPARE_SECTIONS)
+            bases = {m.removesuffix("-async") for m in listed}
+            config = self.folder / f"tiny_compare_{self.outputs}.yaml"
+            config.write_text(yaml.safe_dump({m: v for m, v in COMPARE_SECTIONS.items() if m in bases}))
+            extra = [*flags("compare"), "--config", str(config)]
         elif stage in STAGES:
             extra = flags(stage)
         else:
