@@ -3,6 +3,7 @@ lock refuses a second live writer and takes over one left by a dead process (rlh
 
 import json
 import logging
+import os
 import subprocess
 import sys
 
@@ -76,3 +77,23 @@ def test_a_second_live_writer_is_refused_and_a_dead_ones_lock_taken_over(tmp_pat
         train(sft_args(out))
     assert f"taking over the lock left by process {holder.pid}" in caplog.text
     assert (out / "summary.json").exists() and not (out / ".lock").exists()  # released at the end
+
+
+def test_without_flock_the_recorded_pid_decides(tmp_path, monkeypatch):
+    from rlhflab.checkpoint import ownership
+    from rlhflab.errors import UserInputError
+
+    monkeypatch.setattr(ownership, "_flock", lambda fd: None)  # a file system without flock (some network mounts)
+    out = tmp_path / "run"
+    out.mkdir()
+    record = {"host": ownership.socket.gethostname(), "started": 0}
+    (out / ".lock").write_text(json.dumps({**record, "pid": os.getppid()}))  # alive, and not this process
+    with pytest.raises(UserInputError, match=f"process {os.getppid()} "):
+        ownership.lock_run(out)
+    ended = subprocess.Popen(["true"])
+    ended.wait()  # reaped: its pid names no process now
+    (out / ".lock").write_text(json.dumps({**record, "pid": ended.pid}))
+    ownership.lock_run(out)  # taken over
+    assert json.loads((out / ".lock").read_text())["pid"] == os.getpid()
+    ownership.release_run(out)
+    assert not (out / ".lock").exists()

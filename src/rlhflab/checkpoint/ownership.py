@@ -43,9 +43,11 @@ def _key(path: Path) -> str:
 
 
 def _flock(fd: int) -> bool | None:
-    """True: locked; False: another process holds it; None: this file system has no flock."""
-    import fcntl
-
+    """True: locked; False: another process holds it; None: this file system (or OS) has no flock."""
+    try:
+        import fcntl
+    except ImportError:  # Windows: the recorded pid is judged instead
+        return None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         return True
