@@ -227,3 +227,19 @@ def test_not_a_run_folder_is_a_user_error(tmp_path):
     (tmp_path / "plain").mkdir()
     with pytest.raises(UserInputError, match="config.yaml"):
         write_report(tmp_path / "plain")
+
+
+def test_unicode_and_very_long_answers_render(make_run, tmp_path, samples_rows, metrics_rows, checked):
+    """Korean, Arabic, emoji with a skin tone, a combining accent, a zero-width space and a NUL render as text; a
+    lone surrogate (undecodable bytes a data file or JSON kept) is written as U+FFFD instead of failing the
+    whole page; a 200,000-character answer does not break the page."""
+    odd = "한국어 答え مرحبا 🤖👍🏽 e\u0301 zero\u200bwidth \x00nul \udcff"
+    long = "x" * 200_000
+    rows = samples_rows(answer=lambda s: (odd if s < 20 else long) + f" at {s}")
+    rows[0]["prompt"] = odd
+    run = make_run(tmp_path / "unicode", config={"seed": 1, "model": odd}, metrics=metrics_rows(), samples=rows,
+                   summary={"stage": "ppo", "validation_pass_rate": {"start": 0.49, "end": 0.67}})
+    page = checked(write_report(run))
+    text = (run / "report.html").read_text(encoding="utf-8")
+    assert "한국어 答え مرحبا 🤖👍🏽 e\u0301 zero\u200bwidth" in text and "\ufffd" in text and "\udcff" not in text
+    assert f"{long} at 20" in page.all_text

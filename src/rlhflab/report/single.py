@@ -9,6 +9,7 @@ folder gets the same sections once more for each stage sub-folder it holds.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Callable
 
@@ -68,11 +69,15 @@ def render_report(run: RunFolder) -> str:
     return page(f"rlhflab report: {run.name}", join(parts))
 
 
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
 def write_atomic(path: Path, text: str) -> Path:
-    """Write via a temporary file so a reader never sees half a report."""
+    """Write via a temporary file so a reader never sees half a report. A lone surrogate (text a model or a data
+    file produced from undecodable bytes, kept by JSON) has no UTF-8 form: it is written as U+FFFD."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
+    tmp.write_text(LONE_SURROGATE.sub("\ufffd", text), encoding="utf-8")
     os.replace(tmp, path)
     return path
 
