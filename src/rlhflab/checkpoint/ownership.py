@@ -185,7 +185,7 @@ def set_aside(path: Path, read_inputs: bool = False) -> Path:
     if read_inputs and (aside / "inputs").is_dir():
         shutil.copytree(aside / "inputs", path / "inputs", copy_function=_link_or_copy)
     (path / REPLACING).write_text(json.dumps({"replaced": [*map(str, earlier), str(aside)]}) + "\n")
-    log.warning("--overwrite: %s", kept_message(path, [*earlier, aside]))
+    log.warning("%s", kept_message(path, [*earlier, aside]))
     return aside
 
 
