@@ -1,7 +1,7 @@
 """Exact resume of the critic-free methods: GRPO killed with SIGKILL mid-run through the CLI and resumed with
 `--resume latest` equals the uninterrupted run bit for bit (as tests/checkpoint/test_resume.py does for PPO);
-RLOO, REINFORCE and online DPO killed twice (during a rollout just after a checkpoint, and an update past it)
-end with the uninterrupted run's weights, optimiser, schedule, algorithm state, RNGs and metrics;
+every online method (PPO, GRPO, RLOO, REINFORCE, online DPO) killed twice (during a rollout just after a
+checkpoint, and an update past it) ends with the uninterrupted run's weights, optimiser, schedule, algorithm state, RNGs and metrics;
 REINFORCE's moving baseline is in its checkpoint and a resume carries it on."""
 
 import json
@@ -89,7 +89,7 @@ def test_reinforce_moving_baseline_is_checkpointed_and_carried_on_by_a_resume(po
     assert_same_weights(reference, resumed)
 
 
-# --- SIGKILL at two points of an update, for every critic-free method ----------------------------------------
+# --- SIGKILL at two points of an update, for every online method ----------------------------------------
 
 KILLING_REWARD = """import os
 import signal
@@ -105,7 +105,8 @@ def digits(prompts, completions, **columns):
     return [sum(c.isdigit() for c in t) / max(len(t), 1) for t in completions]
 """
 KILLED = {"rloo": ["--num_generations", "4"], "reinforce": ["--baseline", "moving_average"],
-          "online-dpo": ["--num_generations", "4"]}
+          "online-dpo": ["--num_generations", "4"], "grpo": ["--num_generations", "4", "--num_iterations", "2"],
+          "ppo": ["--num_mini_batches", "2", "--adaptive_kl", "true"]}
 
 
 def killed_args(stage, policy_dir, reward, out):
@@ -164,7 +165,7 @@ def test_sigkill_during_a_rollout_and_after_an_update_then_resume_ends_where_the
     (tmp_path / "digits.py").write_text(KILLING_REWARD)
     reward = f"{tmp_path / 'digits.py'}:digits"
     reference, out = tmp_path / "reference", tmp_path / "killed"
-    module = {"rloo": "rloo", "reinforce": "reinforce", "online-dpo": "online_dpo"}[stage]
+    module = stage.replace("-", "_")
     cfg = parse_config(STAGES[stage], killed_args(stage, policy_dir, reward, reference)[1:], prog=stage)
     import importlib
 
