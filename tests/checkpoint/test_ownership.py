@@ -14,6 +14,7 @@ from rlhflab.api import run_stage
 from rlhflab.checkpoint import Checkpointer
 from rlhflab.cli import main
 from rlhflab.config import SFTConfig, parse_config
+from rlhflab.errors import UserInputError
 
 
 def asides(tmp_path) -> list:
@@ -96,4 +97,17 @@ def test_without_flock_the_recorded_pid_decides(tmp_path, monkeypatch):
     ownership.lock_run(out)  # taken over
     assert json.loads((out / ".lock").read_text())["pid"] == os.getpid()
     ownership.release_run(out)
+    assert not (out / ".lock").exists()
+
+
+def test_overwrite_is_refused_when_the_new_run_reads_from_the_run_it_would_replace(tmp_path):
+    """`--model RUN/model --output_dir RUN --overwrite`: the model would go aside with the old run and be deleted at
+    the new run's first checkpoint (a resume could then not load it). Refused before anything moves."""
+    out = tmp_path / "run"
+    train(sft_args(out))
+    finished = sorted(p.relative_to(out) for p in out.rglob("*"))
+    args = [*sft_args(out), "--overwrite", "true", "--model", str(out / "model")]
+    with pytest.raises(UserInputError, match=rf"would replace {out}, which holds what this run reads \(model "):
+        run_stage("sft", parse_config(SFTConfig, args[1:], prog="rlhflab sft"))
+    assert sorted(p.relative_to(out) for p in out.rglob("*")) == finished and asides(tmp_path) == []
     assert not (out / ".lock").exists()

@@ -80,6 +80,17 @@ def _module_file(module: str) -> Path | None:
     return Path(found.origin) if found is not None and found.origin else None
 
 
+def read_paths(cfg) -> dict[str, Path]:
+    """The local files and folders `cfg`'s run reads ({field or "field spec": path}): its path fields and the
+    source files of its FILE.py:NAME functions."""
+    found = {name: Path(getattr(cfg, name)) for name in PATH_FIELDS if getattr(cfg, name, "")}
+    for name in FUNCTION_FIELDS:
+        for spec in (s.strip() for s in str(getattr(cfg, name, "") or "").split(",")):
+            if spec not in BUILT_IN_VERIFIERS and spec.rpartition(":")[0].endswith(".py"):
+                found[f"{name} {spec}"] = Path(spec.rpartition(":")[0])
+    return found
+
+
 def fingerprints(cfg) -> dict[str, str]:
     """Everything `cfg`'s run reads again on resume (the fields it has and sets), and the versions that compute."""
     out: dict[str, str] = {}

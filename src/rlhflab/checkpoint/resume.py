@@ -209,9 +209,23 @@ def _open_here(cfg, stage: str, layout: parallel.Layout,
         raise
 
 
+def check_reads_outside(cfg, path: Path) -> None:
+    """--overwrite sets the run in `path` aside and deletes it at the new run's first checkpoint: refuse before
+    that when the new run reads from it (e.g. --model RUN/model --output_dir RUN), which would lose the input.
+    RUN/inputs/ (the Python API's datasets) is carried over, so it is allowed."""
+    inside = {name: p for name, p in prints.read_paths(cfg).items()
+              if p.resolve().is_relative_to(path.resolve()) and not p.resolve().is_relative_to((path / "inputs").resolve())}
+    if inside:
+        named = ", ".join(f"{name} {p}" for name, p in inside.items())
+        raise UserInputError(f"--overwrite would replace {path}, which holds what this run reads ({named}); the old "
+                             "run is deleted once the new one checkpoints", "--output_dir",
+                             "write the new run to another --output_dir, or copy what it reads out of the old run first")
+
+
 def _open_fresh(cfg, path: Path, callbacks: Sequence[Callback]) -> tuple[RunDir, None]:
     """A new run in `path` (locked); a run there (--overwrite) is set aside until this one checkpoints."""
     if holds_run(path):
+        check_reads_outside(cfg, path)
         reads_inputs = any(str(v).startswith(str(path / "inputs")) for v in config_to_dict(cfg).values())
         set_aside(path, read_inputs=reads_inputs)
     run = OwnedRun(path, overwrite=cfg.overwrite, report_to=cfg.report_to, callbacks=callbacks)
