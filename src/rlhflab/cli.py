@@ -10,6 +10,8 @@ the current step finished and a checkpoint was written (continue with `--resume 
 4 a second SIGINT / SIGTERM: exited at once, the last complete checkpoint untouched
 (docs/reading-a-run.md "Checkpoints and resume"); 5 a checkpoint, model folder or history file could not be
 written (disk full, I/O error: the message names it, the last complete checkpoint and the command that resumes);
+6 several processes: another rank ended (killed, out of memory, its own error) and this one stopped (the line
+names the rank, how it ended when this host can see it, and the last complete checkpoint);
 1 `rlhflab compare`: a method failed (the others ran; its error is in summary.json).
 """
 
@@ -29,7 +31,8 @@ import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from rlhflab.config import STAGES, field_names, parse_config  # noqa: E402
-from rlhflab.errors import WRITE_FAILED_EXIT_CODE, Interrupted, StageFailed, UserInputError, WriteFailed  # noqa: E402
+from rlhflab.errors import (PEER_LOST_EXIT_CODE, WRITE_FAILED_EXIT_CODE, Interrupted, StageFailed,  # noqa: E402
+                            UserInputError, WriteFailed)
 # (torch-free: `--help` stays fast)
 
 USAGE = """usage: rlhflab <stage> [--config FILE.yaml] [--field value ...]
@@ -328,6 +331,40 @@ def leave_process_group(code: int) -> None:
         sys.modules["rlhflab.parallel"].shutdown_world(finished=code == 0)
 
 
+def peer_lost(err: BaseException, argv: list[str]) -> str | None:
+    """The one line for a collective that failed because another process of the job ended (killed, out of
+    memory, its own error): which rank, how, where this one waited, and how to resume; None for any other error
+    (parallel/peers.py)."""
+    if "rlhflab.parallel" not in sys.modules or isinstance(err, (KeyboardInterrupt, SystemExit, GeneratorExit)):
+        return None
+    import signal
+    import threading
+
+    from rlhflab.parallel.peers import describe_peer_loss, is_transport_error
+
+    if not is_transport_error(err):
+        return None
+    previous = {}
+    if threading.current_thread() is threading.main_thread():  # the launcher SIGTERMs the ranks left once it
+        previous = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGTERM, signal.SIGINT)}  # sees one die
+    lost = describe_peer_loss(err)
+    if lost is None:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        return None
+    given = [a.split("=", 1)[1] if "=" in a else b for a, b in zip(argv, [*argv[1:], ""])
+             if a.split("=", 1)[0] == "--output_dir"]
+    if not given:
+        return f"{lost}; continue with the same launch and --resume latest --output_dir RUN"
+    from rlhflab.checkpoint.folder import latest_checkpoint
+
+    last = latest_checkpoint(Path(given[-1]) / "checkpoints")
+    if last is None:
+        return f"{lost}; {given[-1]} has no complete checkpoint: start the run again (with --overwrite)"
+    return (f"{lost}; last complete checkpoint {last}: continue with the same launch and --resume latest "
+            f"--output_dir {given[-1]}")
+
+
 def version() -> str:
     """The installed distribution's version; the package's own `__version__` when run from a source tree."""
     from importlib.metadata import PackageNotFoundError, version as installed_version
@@ -457,6 +494,12 @@ def run_command(argv: list[str], name: str) -> int:
     except StageFailed as err:  # a stage run in a child process stopped (its log has the whole story)
         print(f"{name}: stopped: {err}", file=sys.stderr)
         return err.exit_code
+    except BaseException as err:  # torch's DistError is a RuntimeError, a failed DCP save a BaseException
+        lost = peer_lost(err, argv)
+        if lost is None:
+            raise
+        print(f"{name}: stopped: {lost}", file=sys.stderr)
+        return PEER_LOST_EXIT_CODE
 
 
 if __name__ == "__main__":

@@ -19,10 +19,12 @@ from typing import Iterator
 
 # docs/reading-a-run.md "Checkpoints and resume": 130 SIGINT / 143 SIGTERM (step finished, checkpoint written);
 # 4 a second signal while the first was handled (out at once, last complete checkpoint untouched);
-# 5 a checkpoint, model folder or history file could not be written (disk full, I/O error).
+# 5 a checkpoint, model folder or history file could not be written (disk full, I/O error);
+# 6 another process of the job ended (killed, out of memory, its own error): this one stopped too.
 EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
 ABORTED_EXIT_CODE = 4
 WRITE_FAILED_EXIT_CODE = 5
+PEER_LOST_EXIT_CODE = 6
 
 
 class UserInputError(ValueError):

@@ -40,3 +40,25 @@ def test_a_second_sigint_exits_at_once_and_leaves_the_last_checkpoint_alone(tmp_
     after = {p.name: (p / MARKER).read_bytes() for p in complete_checkpoints(out / "checkpoints")}
     assert after.items() >= before.items()  # every checkpoint complete before is still there, unchanged
     assert not (out / "model").exists()
+
+
+def test_under_torchrun_the_same_signal_twice_within_seconds_is_one_notice(monkeypatch):
+    """A scheduler that signals every process of a job (Slurm) reaches each rank twice: directly and through
+    torchrun, which forwards it. That second SIGTERM must not be taken as 'quit at once' (exit 4, no checkpoint)."""
+    import os
+    import time
+
+    from rlhflab.checkpoint.signals import REPEAT_WINDOW_S, StopSignals
+
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+    with StopSignals() as stop:
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)  # without the rule: os._exit(4) here
+        time.sleep(0.01)
+    assert stop.requested == signal.SIGTERM
+    assert not stop._same_notice(signal.SIGINT)  # another signal is a second request
+    stop._first_at -= REPEAT_WINDOW_S
+    assert not stop._same_notice(signal.SIGTERM)  # so is the same one, later
+    stop._first_at += REPEAT_WINDOW_S
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID")
+    assert not stop._same_notice(signal.SIGTERM)  # and any repeat in a process no launcher started

@@ -2,6 +2,7 @@
 strategy choice, the resume layout check, the follower's run folder. (Two processes: test_two_processes.py.)"""
 
 import logging
+import os
 
 import pytest
 import torch
@@ -120,3 +121,57 @@ def test_leaving_the_group_waits_for_the_peers_only_after_a_finished_run(monkeyp
     assert not dist.is_initialized()
     assert barriers == ([1] if finished else [])  # after an error a peer may wait in another collective: no barrier
     parallel.shutdown_world()  # nothing joined: nothing to do
+
+
+def test_a_peer_that_died_is_named_with_its_signal_and_a_reaped_one_as_ended(monkeypatch):
+    """parallel/peers.py reads a dead peer's exit status from /proc (a zombie the launcher has not reaped yet)."""
+    import signal
+    import socket
+    import subprocess
+    import time
+
+    from rlhflab.parallel import peers
+
+    if not os.path.exists("/proc/self/stat"):
+        pytest.skip("reads /proc (Linux)")
+    killed, failed, running = (subprocess.Popen(cmd) for cmd in (["sleep", "60"], ["sh", "-c", "exit 3"],
+                                                                    ["sleep", "60"]))
+    killed.send_signal(signal.SIGKILL)
+    host = socket.gethostname()
+    monkeypatch.setattr(peers, "_PEERS", [(host, os.getpid()), (host, killed.pid), (host, failed.pid),
+                                          (host, running.pid), ("elsewhere", 1)])
+    try:
+        while peers.exit_status(killed.pid) is None or peers.exit_status(failed.pid) is None:
+            time.sleep(0.01)  # both end, and stay zombies: nobody reaps them yet
+        said = peers.ended_peers(0, 5)
+        assert "rank 1 of 5 (pid %d on this host) was killed by SIGKILL" % killed.pid in said
+        assert "rank 2 of 5 (pid %d on this host) exited with code 3" % failed.pid in said
+        assert "rank 3" not in said  # still running
+        assert peers.exit_status(running.pid) is None
+    finally:
+        for proc in (killed, failed, running):
+            proc.kill()
+            proc.wait()
+    assert peers.exit_status(killed.pid).startswith("ended (the launcher already collected")  # reaped: gone
+    monkeypatch.setattr(peers, "_PEERS", [(host, os.getpid()), ("elsewhere", 1)])
+    assert "a rank on another host (elsewhere) ended or became unreachable" in peers.ended_peers(0, 2)
+
+
+def test_transport_errors_are_told_from_other_errors_through_the_chain_and_a_checkpoint_s_failures():
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from rlhflab.parallel.peers import is_transport_error
+
+    gloo = RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:40683: "
+                        "Connection reset by peer")
+    assert is_transport_error(gloo) and is_transport_error(dist.DistBackendError("anything"))
+    try:
+        try:
+            raise gloo
+        except RuntimeError as err:
+            raise ValueError("while saving") from err
+    except ValueError as err:
+        assert is_transport_error(err)
+    assert is_transport_error(CheckpointException("save failed", {0: (gloo, [])}))
+    assert not is_transport_error(RuntimeError("CUDA out of memory")) and not is_transport_error(
+        ConnectionResetError("Connection reset by peer"))  # e.g. a reward function's HTTP call: not a collective

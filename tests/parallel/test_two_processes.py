@@ -286,3 +286,92 @@ def test_an_exception_on_rank_1_ends_rank_0_within_seconds_with_its_message(poli
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cwd", "failed"] and list(cwd.iterdir()) == []
     assert [p.name for p in complete_checkpoints(out / "checkpoints")] == ["step-2"]
     assert not (out / "summary.json").exists()
+
+
+def stop_lines(err: str, what: str) -> dict[int, str]:
+    """rank -> the line in which that rank's CLI says `what` ('interrupted', 'stopped')."""
+    found = {}
+    for line in err.splitlines():
+        for rank in (0, 1):
+            if line.startswith(f"rlhflab[rank {rank}]: {what}: "):
+                found[rank] = line
+    return found
+
+
+@pytest.fixture(scope="module")
+def preempted(runs, policy_dir, tmp_path_factory):
+    """Two launches stopped mid-run, then one launch resuming both (`--resume latest`):
+    DPO (DDP) given SIGTERM through torchrun after its first step (torchrun forwards it to both ranks), and SFT
+    (FSDP2) whose rank 1 is SIGKILLed while it writes its shards of checkpoint step-4 (kill_in_save_driver.py)."""
+    root = tmp_path_factory.mktemp("preempted")
+    cwd = root / "cwd"
+    cwd.mkdir()
+    dpo_run, sft_run = root / "dpo", root / "sft"
+    dpo_job = [*dpo_args(dpo_run, policy_dir), "--parallel_strategy", "ddp"]
+    sft_job = [*sft_args(sft_run), "--parallel_strategy", "fsdp2"]
+    out = {"dpo": dpo_run, "sft": sft_run, "cwd": cwd}
+
+    job = subprocess.Popen([*LAUNCH, "-m", "rlhflab", *dpo_job], cwd=cwd, env=ENV, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.PIPE, text=True)
+    rows = dpo_run / "metrics.jsonl"
+    while not (rows.exists() and '"step": 1' in rows.read_text()):
+        assert job.poll() is None, job.communicate()[1][-3000:]
+        time.sleep(0.01)
+    job.send_signal(signal.SIGTERM)  # `kill -TERM <torchrun>`: torchrun forwards it to every worker
+    out["dpo_err"] = job.communicate(timeout=120)[1]
+
+    job = subprocess.Popen([*LAUNCH, str(HERE / "kill_in_save_driver.py"), "4", *sft_job], cwd=cwd, env=ENV,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    shard = sft_run / "checkpoints" / ".tmp-step-4" / "sharded" / "__1_0.distcp"
+    while not shard.exists():  # rank 1 dies as soon as its shard is written
+        assert job.poll() is None, job.communicate()[1][-3000:]
+        time.sleep(0.005)
+    killed_at = time.time()
+    out["sft_err"] = job.communicate(timeout=120)[1]
+    out["sft_code"], out["sft_ended_in"] = job.returncode, time.time() - killed_at
+    out["complete_before_resume"] = {name: [p.name for p in complete_checkpoints(run / "checkpoints")]
+                                     for name, run in (("dpo", dpo_run), ("sft", sft_run))}
+    out["leftovers"] = sorted(p.name for p in (sft_run / "checkpoints").iterdir())
+
+    jobs = [{"args": [*dpo_job, "--resume", "latest"]}, {"args": [*sft_job, "--resume", "latest"]}]
+    (root / "jobs.json").write_text(json.dumps(jobs))
+    done = launch([str(HERE / "launch_runs.py"), str(root / "jobs.json")], cwd)
+    assert done.returncode == 0, launch_failure(done)
+    return out
+
+
+def test_sigterm_to_torchrun_stops_both_dpo_ranks_at_one_step_and_resume_latest_equals_the_uninterrupted_run(
+        runs, preempted):
+    err = preempted["dpo_err"]
+    lines = stop_lines(err, "interrupted")
+    assert sorted(lines) == [0, 1], err[-3000:]  # both ranks finished the step and said so (exit code 143 each)
+    steps = {int(line.split("SIGTERM after step ")[1].split(":")[0]) for line in lines.values()}
+    assert len(steps) == 1, lines  # the same step on both ranks (Checkpointer.step_done: the max of their signals)
+    stopped_at = steps.pop()
+    print(f"\nDPO, 2 processes: SIGTERM to torchrun after step 1; both ranks stopped after step {stopped_at}")
+    assert 1 <= stopped_at < 4 and preempted["complete_before_resume"]["dpo"][-1] == f"step-{stopped_at}"
+    assert "second SIGTERM" not in err and not any(row.startswith(("[rank0]:", "[rank1]:")) for row in err.splitlines())
+    run, uninterrupted = preempted["dpo"], runs["dpo-ddp"]["two"]
+    assert_same_weights_in(run / "model", uninterrupted / "model-uninterrupted")
+    assert metric_rows(run / "metrics.jsonl") == metric_rows(uninterrupted / "metrics-uninterrupted.jsonl")
+    assert [r["step"] for r in json.loads((run / "summary.json").read_text())["resumes"]] == [stopped_at]
+
+
+def test_a_rank_killed_in_a_sharded_save_ends_the_job_with_one_line_and_resume_takes_the_checkpoint_before(
+        runs, preempted):
+    err, run = preempted["sft_err"], preempted["sft"]
+    print(f"\nSFT FSDP2, rank 1 SIGKILLed while writing its shards of step-4: the job ended "
+          f"{preempted['sft_ended_in']:.1f} s later")
+    assert preempted["sft_code"] != 0 and preempted["sft_ended_in"] < 15
+    line = stop_lines(err, "stopped")[0]  # rank 0's one line: who died, how, where it waited, how to resume
+    assert f"rank 1 of 2 (pid " in line and "SIGKILL" in line and "write_shards" in line, line
+    assert f"last complete checkpoint {run / 'checkpoints' / 'step-2'}" in line and "--resume latest" in line
+    assert not any(row.startswith("[rank0]:") for row in err.splitlines())  # no transport traceback on rank 0
+    assert "exitcode  : 6" in err and "Signal 9 (SIGKILL)" in err  # torchrun's summary: rank 0's code, rank 1's signal
+    # no step-4 marked complete, and the partial folder removed by rank 0 on its way out
+    assert preempted["complete_before_resume"]["sft"] == ["step-2"] and preempted["leftovers"] == ["step-2"]
+    uninterrupted = runs["sft-fsdp2"]["two"]
+    assert_same_weights_in(run / "model", uninterrupted / "model-uninterrupted")
+    assert metric_rows(run / "metrics.jsonl") == metric_rows(uninterrupted / "metrics-uninterrupted.jsonl")
+    assert [r["step"] for r in json.loads((run / "summary.json").read_text())["resumes"]] == [2]
+    assert list(preempted["cwd"].iterdir()) == []

@@ -5,6 +5,11 @@ Exit codes (docs/reading-a-run.md "Checkpoints and resume"; the CLI returns them
   143  SIGTERM (e.g. a scheduler's pre-emption notice): same, checkpoint written
   4    a second SIGINT / SIGTERM while the first was being handled: out at once; the last
        complete checkpoint is untouched (a half-written `.tmp-*` folder is ignored on resume)
+
+Under torchrun / accelerate launch (TORCHELASTIC_RUN_ID set) the same signal again within REPEAT_WINDOW_S
+of the first is the same notice delivered twice, not a request to quit at once: a scheduler that signals
+every process of the job (Slurm's preemption and scancel do) reaches each rank directly and once more through
+torchrun, which forwards what it receives to every worker (docs/scaling-out.md "Pre-emption").
 """
 
 from __future__ import annotations
@@ -14,12 +19,15 @@ import os
 import signal
 import sys
 import threading
+import time
 
 from rlhflab.errors import ABORTED_EXIT_CODE, EXIT_CODES, Interrupted  # torch-free: the CLI imports them there
 
 log = logging.getLogger("rlhflab")
 
 __all__ = ["ABORTED_EXIT_CODE", "EXIT_CODES", "Interrupted", "StopSignals"]
+
+REPEAT_WINDOW_S = 5.0
 
 
 class StopSignals:
@@ -32,6 +40,7 @@ class StopSignals:
     def __init__(self) -> None:
         self.requested: int | None = None
         self._previous: dict[int, object] = {}
+        self._first_at = 0.0  # time.monotonic() of the signal in `requested`
 
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():
@@ -45,10 +54,20 @@ class StopSignals:
         self._previous.clear()
 
     def _handle(self, signum: int, frame) -> None:
+        if self.requested is not None and self._same_notice(signum):
+            log.warning("%s again, %.1f s after the first: the same notice through the launcher, still finishing "
+                        "the step (send it after %.0f s to quit at once)", signal.Signals(signum).name,
+                        time.monotonic() - self._first_at, REPEAT_WINDOW_S)
+            return
         if self.requested is not None:
             sys.stderr.write(f"rlhflab: second {signal.Signals(signum).name}: exiting now, no checkpoint written\n")
             sys.stderr.flush()
             os._exit(ABORTED_EXIT_CODE)  # touches no file: the last complete checkpoint stays as it was
-        self.requested = signum
+        self.requested, self._first_at = signum, time.monotonic()
         log.warning("%s: finishing the current step, then writing a checkpoint (send it again to quit at once)",
                     signal.Signals(signum).name)
+
+    def _same_notice(self, signum: int) -> bool:
+        """A repeat that a launched worker gets twice for one notice (module doc)."""
+        return (signum == self.requested and "TORCHELASTIC_RUN_ID" in os.environ
+                and time.monotonic() - self._first_at < REPEAT_WINDOW_S)
