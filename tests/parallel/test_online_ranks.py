@@ -1,7 +1,7 @@
 """The online methods in 2 processes (torchrun, gloo on CPU) against 1 process at the same global batch.
 
-One torchrun launch trains GRPO and PPO under DDP and FSDP2, RLOO under DDP and GRPO with --async_generation
-(2 trainer processes, rank 0's generator process: 3 processes) (tests/parallel/online_ranks_driver.py); the same
+One torchrun launch trains GRPO and PPO under DDP and FSDP2, RLOO under DDP, GRPO with --async_generation
+(2 trainer processes, rank 0's generator process: 3 processes) and GRPO with --dynamic_sampling (tests/parallel/online_ranks_driver.py); the same
 configs run here in one process. Checked: the weights after 3 updates
 (max abs difference <= 1e-5, float32), metrics.jsonl (timing fields aside), that rank 0 alone wrote the
 one run folder, checkpoints recording their layout (FSDP2: shards); then a PPO FSDP2 job killed with SIGKILL
@@ -52,6 +52,9 @@ RUNS = {  # name -> (stage, strategy, the stage's own arguments)
     "grpo-ddp-async": ("grpo", "ddp", ["--num_generations", "4", "--learning_rate", "1e-2", "--async_generation",
                                        "true", "--max_staleness", "1"]),
 }
+    # all-equal groups dropped and refilled: every rank holds the whole scored batch, so all take the same decisions
+    "grpo-ddp-dynamic": ("grpo", "ddp", ["--num_generations", "4", "--learning_rate", "1e-2", "--dynamic_sampling",
+                                         "true", "--max_refill_rounds", "2"]),
 ASYNC_CLOCKS = ("async/wait_s", "async/generator_s")  # the generator's and the wait's seconds
 # one update of one minibatch (2 micro-batches a rank) under bf16 autocast, in the same launch: the first step's
 # ratio is exactly 1 and KL exactly 0 whatever the world size (DESIGN.md); name -> (RUNS entry, extra flags)
@@ -162,7 +165,7 @@ def one_process(setup):
     """The same configs in this process (the single-process path); strategy is ignored in one process."""
     root, policy_dir, reward = setup
     out = root / "one"
-    for name in ("grpo-ddp", "ppo-ddp", "rloo-ddp", "grpo-ddp-async"):
+    for name in ("grpo-ddp", "ppo-ddp", "rloo-ddp", "grpo-ddp-async", "grpo-ddp-dynamic"):
         train_here(run_args(name, policy_dir, reward, out / one_of(name)))
     return out
 
@@ -195,6 +198,12 @@ def test_two_trainer_processes_train_on_rollouts_of_one_generator_at_most_one_up
 
 
 @pytest.mark.parametrize("name", list(FIRST_STEP_BF16))
+def test_two_processes_refill_dynamic_sampling_batches_alike(two_processes):
+    work, _ = two_processes
+    rows = [r for r in metrics(work / "grpo-ddp-dynamic") if "dynamic/generated" in r]
+    assert len(rows) == 3 and any(r["dynamic/refill_rounds"] > 0 for r in rows)  # refilled, in step, no hang
+
+
 def test_the_first_step_under_bf16_in_two_processes_has_ratio_exactly_one_and_kl_exactly_zero(setup, two_processes,
                                                                                                name):
     run = setup[0] / "bf16" / name

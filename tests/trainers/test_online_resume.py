@@ -94,23 +94,26 @@ def test_reinforce_moving_baseline_is_checkpointed_and_carried_on_by_a_resume(po
 KILLING_REWARD = """import os
 import signal
 
-TRAINING_CALLS = [0]
+UPDATES_SEEN = set()
 
 
-def digits(prompts, completions, **columns):
+def digits(prompts, completions, trainer_state, **columns):
     if len(completions) >= 8:  # a training batch (the headroom probe is off, evaluations read the checker)
-        TRAINING_CALLS[0] += 1
-        if str(TRAINING_CALLS[0]) == os.environ.get("KILL_AT_CALL"):
+        UPDATES_SEEN.add(trainer_state.global_step)  # one per update, whatever its refill rounds
+        if str(len(UPDATES_SEEN)) == os.environ.get("KILL_AT_CALL"):
             os.kill(os.getpid(), signal.SIGKILL)  # as the OOM killer or a lost node would: no clean-up at all
     return [sum(c.isdigit() for c in t) / max(len(t), 1) for t in completions]
 """
 KILLED = {"rloo": ["--num_generations", "4"], "reinforce": ["--baseline", "moving_average"],
           "online-dpo": ["--num_generations", "4"], "grpo": ["--num_generations", "4", "--num_iterations", "2"],
-          "ppo": ["--num_mini_batches", "2", "--adaptive_kl", "true"]}
+          "ppo": ["--num_mini_batches", "2", "--adaptive_kl", "true"],
+          # refill rounds draw from the prompt order and sample with (seed, update, round)
+          "grpo+dynamic": ["--num_generations", "4", "--dynamic_sampling", "true", "--max_refill_rounds", "2"]}
 
 
-def killed_args(stage, policy_dir, reward, out):
-    return online_args(stage, policy_dir, reward, out, *KILLED[stage], "--save_every", "2", "--headroom_samples", "0")
+def killed_args(name, policy_dir, reward, out):
+    stage = name.partition("+")[0]
+    return online_args(stage, policy_dir, reward, out, *KILLED[name], "--save_every", "2", "--headroom_samples", "0")
 
 
 def killed_at(call: int, args: list[str]) -> None:
@@ -156,26 +159,27 @@ def assert_same_state(a: dict, b: dict, where: str = "") -> None:
         assert a == b or (a != a and b != b), where  # NaN == NaN here
 
 
-@pytest.mark.parametrize("stage", sorted(KILLED))
+@pytest.mark.parametrize("name", sorted(KILLED))
 def test_sigkill_during_a_rollout_and_after_an_update_then_resume_ends_where_the_uninterrupted_run_ends(
-        stage, policy_dir, tmp_path):
+        name, policy_dir, tmp_path):
     """Killed twice: in update 3's scoring (nothing past checkpoint step-2 written), then, resumed, in update 4's
     (update 3 logged past the checkpoint: trimmed again). The second resume ends with the uninterrupted run's
     weights, AdamW moments, LR schedule, algorithm state, RNGs and metrics, bit for bit."""
     (tmp_path / "digits.py").write_text(KILLING_REWARD)
     reward = f"{tmp_path / 'digits.py'}:digits"
     reference, out = tmp_path / "reference", tmp_path / "killed"
+    stage = name.partition("+")[0]
     module = stage.replace("-", "_")
-    cfg = parse_config(STAGES[stage], killed_args(stage, policy_dir, reward, reference)[1:], prog=stage)
+    cfg = parse_config(STAGES[stage], killed_args(name, policy_dir, reward, reference)[1:], prog=stage)
     import importlib
 
     trainer = importlib.import_module(f"rlhflab.trainers.{module}")
     trainer.train(cfg, monitor=RunMonitor.from_config(cfg))
-    killed_at(3, killed_args(stage, policy_dir, reward, out))
+    killed_at(3, killed_args(name, policy_dir, reward, out))
     assert [r["step"] for r in metrics(out) if "objective/scores" in r] == [1, 2]
-    killed_at(2, [*killed_args(stage, policy_dir, reward, out), "--resume", "latest"])
+    killed_at(2, [*killed_args(name, policy_dir, reward, out), "--resume", "latest"])
     assert [r["step"] for r in metrics(out) if "objective/scores" in r] == [1, 2, 3]  # past the checkpoint
-    cfg = parse_config(STAGES[stage], [*killed_args(stage, policy_dir, reward, out)[1:], "--resume", "latest"],
+    cfg = parse_config(STAGES[stage], [*killed_args(name, policy_dir, reward, out)[1:], "--resume", "latest"],
                        prog=stage)
     trainer.train(cfg, monitor=RunMonitor.from_config(cfg))
     assert metrics(out) == metrics(reference)
@@ -183,6 +187,8 @@ def test_sigkill_during_a_rollout_and_after_an_update_then_resume_ends_where_the
     assert_same_state(final_state(reference), final_state(out))
     summary = json.loads((out / "summary.json").read_text())
     assert [r["step"] for r in summary["resumes"]] == [2, 2]
+    if name.endswith("+dynamic"):  # the resumed updates refilled too (from the restored prompt order)
+        assert any(r.get("dynamic/refill_rounds", 0) > 0 for r in metrics(reference) if r["step"] > 2)
 
 
 def test_the_console_samples_table_leaves_pythons_global_rng_where_it_was():

@@ -67,6 +67,13 @@ class OnlineFields(ParallelFields, MonitorFields, CheckpointFields, RunFields, M
     response_length: int = arg(26, "response-length cap in tokens during rollouts")
     missing_eos_penalty: float = arg(1.0, "subtracted from the score of a response that hit the length cap")
     temperature: float = arg(1.0, "sampling temperature of rollouts; log-probs use the same one")
+    dynamic_sampling: bool = arg(
+        False, "DAPO's dynamic sampling (GRPO, RLOO, online DPO, REINFORCE with leave_one_out): groups whose scores "
+               "are all equal carry no group-relative signal and are dropped; the batch is refilled with the next "
+               "prompts of the same order until it holds batch_size / num_generations informative groups or "
+               "max_refill_rounds extra rounds were generated (then it is filled with the earliest dropped groups)")
+    max_refill_rounds: int = arg(3, "dynamic_sampling: extra generation rounds (of batch_size answers each) at most "
+                                    "per update")
     # evaluation during the run
     eval_every: int = arg(10, "validation pass rate every N updates; 0 = start and end only")
     eval_prompts: int = arg(100, "validation prompts used for the pass rate")

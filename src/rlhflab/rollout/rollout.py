@@ -126,16 +126,44 @@ def sampler_logprobs_of(out: Generated, logprobs: Tensor) -> Tensor | None:
 def widened(out: Generated, prompt_width: int, response_width: int, pad_id: int) -> Generated:
     """`out` with its prompts left-padded to `prompt_width` and its responses right-padded to `response_width`
     columns (padding masked out), so that rows of several processes' rollouts line up in one global batch."""
-    q_ids, q_mask, r_ids, r_mask = out.query_ids, out.query_mask, out.response_ids, out.response_mask
-    if prompt_width > q_ids.shape[1]:
-        extra = prompt_width - q_ids.shape[1]
-        q_ids = torch.cat([q_ids.new_full((q_ids.shape[0], extra), pad_id), q_ids], dim=1)
-        q_mask = torch.cat([q_mask.new_zeros((q_mask.shape[0], extra)), q_mask], dim=1)
     sampled = out.sampler_logprobs
-    if response_width > r_ids.shape[1]:
-        extra = response_width - r_ids.shape[1]
-        r_ids = torch.cat([r_ids, r_ids.new_full((r_ids.shape[0], extra), pad_id)], dim=1)
-        r_mask = torch.cat([r_mask, r_mask.new_zeros((r_mask.shape[0], extra))], dim=1)
-        if sampled is not None:
-            sampled = torch.cat([sampled, sampled.new_zeros((sampled.shape[0], extra))], dim=1)
-    return Generated(q_ids, q_mask, r_ids, r_mask, out.ended_with_eos, sampled)
+    return Generated(padded(out.query_ids, prompt_width, pad_id, left=True),
+                     padded(out.query_mask, prompt_width, False, left=True),
+                     padded(out.response_ids, response_width, pad_id, left=False),
+                     padded(out.response_mask, response_width, False, left=False), out.ended_with_eos,
+                     None if sampled is None else padded(sampled, response_width, 0.0, left=False))
+
+
+LEFT_PADDED = ("query_ids", "query_mask")  # (B, P): padding on the left
+RIGHT_PADDED = ("response_ids", "response_mask", "logprobs", "ref_logprobs", "values", "entropy", "sampler_logprobs")
+
+
+def rows_of_rollouts(rollouts: list[Rollout], picks: list[tuple[int, int]], pad_id: int) -> Rollout:
+    """One rollout of rows `picks` = [(which rollout, row)] of several (each generated apart, so of other widths):
+    prompts left-padded and responses right-padded to the widest, padding masked out as in any rollout. The kept
+    training forward is dropped (it belongs to one rollout's rows); `seconds` adds up."""
+    width_p = max(r.query_ids.shape[1] for r in rollouts)
+    width_t = max(r.response_ids.shape[1] for r in rollouts)
+
+    def field(name: str) -> Tensor | None:
+        parts = [getattr(r, name) for r in rollouts]
+        if any(p is None for p in parts):
+            return None
+        if name in LEFT_PADDED or name in RIGHT_PADDED:
+            width, left = (width_p, True) if name in LEFT_PADDED else (width_t, False)
+            fill = pad_id if name.endswith("_ids") else 0
+            parts = [padded(p, width, fill, left) for p in parts]
+        return torch.stack([parts[i][row] for i, row in picks])
+
+    names = ("ended_with_eos", *LEFT_PADDED, *RIGHT_PADDED)
+    seconds = {k: sum(r.seconds.get(k, 0.0) for r in rollouts) for k in rollouts[0].seconds}
+    return Rollout(**{name: field(name) for name in names}, seconds=seconds)
+
+
+def padded(t: Tensor, width: int, fill, left: bool) -> Tensor:
+    """(B, W) -> (B, width) with `fill` added on the left or the right."""
+    extra = width - t.shape[1]
+    if extra <= 0:
+        return t
+    pad = t.new_full((t.shape[0], extra), fill)
+    return torch.cat([pad, t] if left else [t, pad], dim=1)

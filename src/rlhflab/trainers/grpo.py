@@ -31,6 +31,7 @@ class GRPO(AlgorithmDefaults):
     name = "grpo"
     critic = False
     whole_groups = False
+    group_relative = True  # advantages against the prompt's other answers
     step_names = STEP_NAMES
 
     def __init__(self, cfg: GRPOConfig):

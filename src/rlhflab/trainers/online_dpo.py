@@ -55,6 +55,7 @@ class OnlineDPO(AlgorithmDefaults):
     name = "online-dpo"
     critic = False
     whole_groups = True  # a pair's two answers must be in the same micro-batch
+    group_relative = True  # advantages against the prompt's other answers
     policy_gradient = False  # a pairwise loss: nothing for --sampler_correction to weight
     step_names = {"loss": "loss", "chosen_rewards": "rewards/chosen", "rejected_rewards": "rewards/rejected",
                   "reward_accuracy": "rewards/accuracies", "reward_margin": "rewards/margins",

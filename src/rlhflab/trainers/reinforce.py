@@ -45,6 +45,7 @@ class REINFORCE(AlgorithmDefaults):
                                  "e.g. --baseline_decay 0.9 (the weight of the old average)")
         self.cfg = cfg
         self.samples_per_prompt = cfg.num_generations
+        self.group_relative = cfg.baseline == "leave_one_out"  # the other baselines are the batch's or the past's
         self.moving = MovingAverageBaseline(cfg.baseline_decay)
 
     def baselines(self, returns: Tensor, valid: Tensor, group_size: int) -> Tensor:

@@ -30,6 +30,7 @@ class RLOO(AlgorithmDefaults):
     name = "rloo"
     critic = False
     whole_groups = False
+    group_relative = True  # advantages against the prompt's other answers
     step_names = STEP_NAMES
 
     def __init__(self, cfg: RLOOConfig):

@@ -76,6 +76,7 @@ class Algorithm(Protocol):
     epochs: int  # passes over each rollout
     whole_groups: bool  # minibatches and micro-batches hold each prompt's samples together (online DPO's pairs)
     policy_gradient: bool  # its loss has a per-token policy-gradient term (--sampler_correction weights it)
+    group_relative: bool  # its advantages compare a prompt's answers with each other (--dynamic_sampling)
 
     def advantages(self, batch: ScoredRollout) -> Advantages:
         """Advantages (and value targets) of a scored rollout; called once per update, before any step."""
@@ -119,6 +120,7 @@ class AlgorithmDefaults:
 
     step_names: dict[str, str] = {}  # averaged loss stat -> its metric name (TRL's where TRL has one)
     policy_gradient = True
+    group_relative = False
 
     def step_metrics(self, stats: dict) -> dict:
         return {self.step_names[k]: v for k, v in stats.items() if k in self.step_names}

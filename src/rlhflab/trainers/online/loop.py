@@ -44,6 +44,7 @@ from rlhflab.trainers.given import NOTHING, Given
 from rlhflab.trainers.headroom import record_start_headroom
 from rlhflab.trainers.online.algorithm import Algorithm, ScoredRollout
 from rlhflab.trainers.online.async_rollouts import PromptDraws, async_rollouts, check_async, in_flight_tensors
+from rlhflab.trainers.online.dynamic import Round, check_dynamic, refill
 from rlhflab.trainers.online.evaluate import Evaluator
 from rlhflab.trainers.online.monitor import Monitor, RunWatch
 from rlhflab.trainers.online.passes import (average_stats, micro_losses, rows_named, shuffled_rows,  # noqa: F401
@@ -79,11 +80,12 @@ def score_rollout(rollout: Rollout, reward_fn, tokenizer, rows: list[PromptRow],
 
 def rollout_of_update(ranks: OnlineRanks, update: int, batch_ids: list[int], prompt_ids: list[list[int]],
                       train_rows: list[PromptRow], reward_fn, tokenizer, settings: GenerationSettings, cfg,
-                      group: int, keep_graph: bool, sampled=None, steps_per_update: int = 1):
+                      group: int, keep_graph: bool, sampled=None, steps_per_update: int = 1, sampling_round: int = 0):
     """Steps 2-3 for the global batch `batch_ids` (one train-prompt index per answer): this rank generates and
     scores its share of the prompts, then every rank's rows are gathered. Returns the global rollout,
     its (B,) scores and validity, and this rank's seconds of scoring. `sampled`: (responses, seconds waited)
-    the asynchronous generator delivered for the global batch, of which this rank keeps its share."""
+    the asynchronous generator delivered for the global batch, of which this rank keeps its share;
+    `sampling_round`: a --dynamic_sampling refill round (its own sampling noise)."""
     world = ranks.world
     share = parallel.share_of(len(batch_ids) // group, world)  # whole prompts: a group stays on one rank
     mine = [batch_ids[p * group + k] for p in share.positions[: share.real] for k in range(group)]
@@ -92,7 +94,8 @@ def rollout_of_update(ranks: OnlineRanks, update: int, batch_ids: list[int], pro
         sampled = (sampled[0].rows(place.first, len(mine)), sampled[1])
     rollout = collect_rollout(ranks.roles, [prompt_ids[i] for i in mine], pad_id=tokenizer.pad_token_id,
                               eos_id=tokenizer.eos_token_id, settings=settings,
-                              generator=rollout_generator(cfg.seed, update, ranks.device), keep_graph=keep_graph,
+                              generator=rollout_generator(cfg.seed, update, ranks.device, sampling_round),
+                              keep_graph=keep_graph,
                               place=place, response_width=world.max if world.distributed else None, sampled=sampled)
     t1 = time.time()
     scores, valid = score_rollout(rollout, reward_fn, tokenizer, [train_rows[i] for i in mine],
@@ -211,6 +214,7 @@ def train_online(cfg, algorithm: Algorithm, run: RunDir | None = None, reward_fn
     check_world(cfg, algorithm.samples_per_prompt, algorithm.whole_groups, world)
     strategy = parallel.resolve_strategy(cfg.parallel_strategy, world)
     check_async(cfg, strategy, algorithm.policy_gradient)
+    check_dynamic(cfg, algorithm.name, algorithm.samples_per_prompt, algorithm.group_relative)
     # before any model is loaded: what the device cannot do is refused here (models/precision.py)
     precision = precision_from_config(cfg, world.device, strategy)
     configure_threads(trainer_threads(cfg, world))
@@ -283,7 +287,7 @@ def train_online(cfg, algorithm: Algorithm, run: RunDir | None = None, reward_fn
         walls.update({k: progress.walls.get(k, 0.0) for k in ("loop", "evaluation", "save")})  # max_seconds too
     first, last_eval, last, order = progress.first, progress.last_eval, progress.last, progress.order
     done, episode, finished, skipped = progress.update, progress.episode, progress.finished, progress.skipped
-    budget_stop = progress.budget_stop
+    budget_stop, generated = progress.budget_stop, progress.generated or episode
     draws = PromptDraws(order, prompt_order, cfg.batch_size // group, group, len(train_rows))
     if progress.in_flight and not cfg.async_generation:  # an async checkpoint resumed synchronously: the prompts
         draws.order = [ids[i] for _, ids, _ in progress.in_flight for i in range(0, len(ids), group)] + draws.order
@@ -292,7 +296,7 @@ def train_online(cfg, algorithm: Algorithm, run: RunDir | None = None, reward_fn
         in_flight, rollouts = ahead.in_flight() if ahead is not None else ([], {})
         return pack_online(roles, optimizer, scheduler, algorithm, generators, Progress(
             done, episode, draws.order, first, last_eval, last, finished, skipped, dict(walls), budget_stop,
-            in_flight), watch, sharded=ranks.sharded, rollouts=rollouts)
+            in_flight, generated), watch, sharded=ranks.sharded, rollouts=rollouts)
 
     start = num_updates if finished else done
     resumed_at = resumed.step if resumed is not None else None  # that checkpoint is on disk already
@@ -321,6 +325,20 @@ def train_online(cfg, algorithm: Algorithm, run: RunDir | None = None, reward_fn
             rollout, scores, valid, scoring = rollout_of_update(ranks, update, batch_ids, prompt_ids, train_rows,
                                                                 reward_fn, tokenizer, settings, cfg, group, keep_graph,
                                                                 sampled, steps_per_update)
+            dynamic_metrics = {}
+            if cfg.dynamic_sampling:  # all-equal groups dropped, the batch refilled from the next prompts
+                def sample_round(sampling_round: int, update: int = update) -> Round:
+                    ids = draws.next()
+                    return Round(ids, *rollout_of_update(ranks, update, ids, prompt_ids, train_rows, reward_fn,
+                                                         tokenizer, settings, cfg, group, False, None, steps_per_update,
+                                                         sampling_round))
+
+                chosen, dynamic_metrics = refill(Round(batch_ids, rollout, scores, valid, scoring), sample_round,
+                                                 cfg.batch_size // group, group, cfg.max_refill_rounds,
+                                                 tokenizer.pad_token_id)
+                batch_ids, rollout, scores, valid, scoring = (chosen.batch_ids, chosen.rollout, chosen.scores,
+                                                              chosen.valid, chosen.scoring_s)
+            generated += dynamic_metrics.get("dynamic/generated", cfg.batch_size)
             t1 = time.time() - scoring
             sampling_seconds = rollout.seconds["generation"] if sampling_seconds is None else sampling_seconds
             if not valid.any():
@@ -360,7 +378,8 @@ def train_online(cfg, algorithm: Algorithm, run: RunDir | None = None, reward_fn
                 "time/scoring": rollout.seconds["forward"] + (t2 - t1), "time/training": t3 - t2,
                 **({"nonfinite/skipped_updates": skipped} if cfg.nonfinite == "skip" else {}),
                 **precision.metrics(),  # fp16: amp/scale, amp/skipped_steps
-                **async_metrics,
+                **async_metrics, **dynamic_metrics,
+                **({"episodes_generated": generated} if cfg.dynamic_sampling else {}),
             }
             run.log(last, step=update)
             watch.observe(update, last)
@@ -408,7 +427,8 @@ def train_online(cfg, algorithm: Algorithm, run: RunDir | None = None, reward_fn
         reward_functions=[s for s in cfg.reward_fn.split(",") if s.strip()]
         + [rewards.function_name(fn) for fn, _ in given.reward_functions],
         reward_normalisation=normalisation, prompts=prompts.source, samples_per_prompt=group,
-        held_out=held_out_description(signal, verifier), updates=done, episodes=episode, **held_out,
+        held_out=held_out_description(signal, verifier), updates=done, episodes=episode,
+        episodes_generated=generated, **held_out,
         wall_time_s={**{k: round(v, 3) for k, v in walls.items()}, "total": round(time.time() - started, 3)},
         model_dir=str(model_dir), **monitored, budget_stop=budget_stop,
         nonfinite={"mode": cfg.nonfinite, "skipped_updates": skipped},

@@ -46,15 +46,19 @@ from rlhflab.rollout.rollout import Rollout
 from rlhflab.trainers.setup import stream_seed
 
 
-def rollout_seed(seed: int, update: int) -> int:
-    """The token-sampling seed of update `update`: a stream of its own, apart from the prompt order's (`seed`)."""
+def rollout_seed(seed: int, update: int, sampling_round: int = 0) -> int:
+    """The token-sampling seed of update `update`: a stream of its own, apart from the prompt order's (`seed`);
+    `sampling_round` > 0: a --dynamic_sampling refill round's."""
+    if sampling_round:
+        return stream_seed("rlhflab-refill", seed, update, sampling_round)
     return stream_seed("rlhflab-rollout", seed, update)
 
 
-def rollout_generator(seed: int, update: int, device) -> torch.Generator:
-    """The sampling generator of update `update`, fresh each update: no rank's draws depend on how long another
-    rank (or an earlier update) decoded, and a resumed run samples what the uninterrupted one sampled."""
-    return torch.Generator(device=device).manual_seed(rollout_seed(seed, update))
+def rollout_generator(seed: int, update: int, device, sampling_round: int = 0) -> torch.Generator:
+    """The sampling generator of update `update` (its refill round `sampling_round`), fresh each time: no rank's
+    draws depend on how long another rank (or an earlier update) decoded, and a resumed run samples what the
+    uninterrupted one sampled."""
+    return torch.Generator(device=device).manual_seed(rollout_seed(seed, update, sampling_round))
 
 
 def check_world(cfg, group: int, whole_groups: bool, world: parallel.World) -> None:

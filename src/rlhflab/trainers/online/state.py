@@ -43,6 +43,7 @@ class Progress:
     budget_stop: dict | None = None  # where max_seconds stopped the run
     # [[update, prompt indices, weights' version]] sampled by an async generator and not trained on yet
     in_flight: list = field(default_factory=list)
+    generated: int = 0  # answers generated so far: `episode` (trained) plus what --dynamic_sampling dropped
 
 
 def role_modules(roles: PolicyRoles) -> dict[str, torch.nn.Module]:
