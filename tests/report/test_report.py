@@ -243,3 +243,17 @@ def test_unicode_and_very_long_answers_render(make_run, tmp_path, samples_rows, 
     text = (run / "report.html").read_text(encoding="utf-8")
     assert "한국어 答え مرحبا 🤖👍🏽 e\u0301 zero\u200bwidth" in text and "\ufffd" in text and "\udcff" not in text
     assert f"{long} at 20" in page.all_text
+
+
+def test_the_prompts_filtered_out_before_rl_are_listed_per_family(make_run, tmp_path, section_of):
+    summary = {"stage": "grpo", "prompt_filter": {"mode": "pass_rate", "samples_per_prompt": 8, "low": 0.0, "high": 1.0,
+                                                  "prompts": 7, "kept": 3, "generated": 56, "seconds": 1.5,
+                                                  "per_family": {"a": {"prompts": 2, "kept": 1, "always_solved": 0,
+                                                                       "never_solved": 1},
+                                                                 "b": {"prompts": 5, "kept": 2, "always_solved": 3,
+                                                                       "never_solved": 0}}}}
+    run = make_run(tmp_path / "filtered", config={"seed": 1}, summary=summary)
+    write_report(run)
+    html = section_of((run / "report.html").read_text(), "Train prompts filtered out before RL")
+    assert re.sub(r"<td[^>]*>", "<td>", html).count("<td>2</td><td>0</td><td>1</td><td>1</td>") == 1  # family a
+    assert "answered 8 times" in html and "56 answers" in html

@@ -91,6 +91,13 @@ class OnlineFields(ParallelFields, MonitorFields, CheckpointFields, RunFields, M
     learning_rate: float = arg(1e-4, "peak AdamW learning rate")
     adam_eps: float = arg(1e-5, "AdamW epsilon")
     warmup_steps: int = arg(0, "linear warmup in optimiser steps")
+    filter_prompts: Literal["none", "pass_rate"] = arg(
+        "none", "before RL, answer every train prompt filter_samples times with the starting policy at the rollout "
+                "temperature and drop the prompts whose verified pass rate is <= filter_low or >= filter_high "
+                "(never / always solved: all-equal groups); the probe's answers are counted in summary.json")
+    filter_samples: int = arg(8, "filter_prompts: answers sampled per train prompt")
+    filter_low: float = arg(0.0, "filter_prompts: drop prompts whose pass rate is at or below this")
+    filter_high: float = arg(1.0, "filter_prompts: drop prompts whose pass rate is at or above this")
     lr_schedule: Literal["cosine", "linear", "constant"] = arg("linear", "decay after warmup")
 
 

@@ -91,6 +91,22 @@ def reward_errors_section(run: RunFolder) -> Markup | None:
                       "(a resumed run: since the resume), training and validation calls alike.")])
 
 
+def prompt_filter_section(run: RunFolder) -> Markup | None:
+    """summary.json's `prompt_filter`: the train prompts --filter_prompts left out before RL, per family."""
+    found = run.summary.get("prompt_filter")
+    families = found.get("per_family") if isinstance(found, dict) else None
+    if not isinstance(families, dict) or not families:
+        return None
+    rows = [[name, *(int(as_number(counts.get(k)) or 0) for k in ("prompts", "always_solved", "never_solved", "kept"))]
+            for name, counts in families.items() if isinstance(counts, dict)]
+    k, low, high = (as_number(found.get(key)) for key in ("samples_per_prompt", "low", "high"))
+    return join([table(["family", "train prompts", "always solved (dropped)", "never solved (dropped)", "kept"], rows,
+                       row_headers=True),
+                 note(f"Each train prompt answered {k:g} times by the starting policy; dropped where the verified pass "
+                      f"rate was <= {low:g} or >= {high:g} (its groups would all score the same). The probe sampled "
+                      f"{as_number(found.get('generated')) or 0:g} answers in {as_number(found.get('seconds')) or 0:g} s.")])
+
+
 def config_section(run: RunFolder) -> Markup | None:
     return pre(run.config_text) if run.config_text is not None else None
 

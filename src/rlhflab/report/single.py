@@ -26,6 +26,7 @@ SECTIONS: tuple[Section, ...] = (
     ("Missing or damaged files", details.notes_section),
     ("Pass rate per family", family_table),
     ("Headroom before RL", headroom_section),
+    ("Train prompts filtered out before RL", details.prompt_filter_section),
     ("Alarms", sections.alarms_section),
     ("Rows your reward and verifier functions lost", details.reward_errors_section),
     ("Training curves", sections.curves_section),

@@ -47,6 +47,7 @@ from rlhflab.trainers.online.async_rollouts import PromptDraws, async_rollouts, 
 from rlhflab.trainers.online.dynamic import Round, check_dynamic, refill
 from rlhflab.trainers.online.evaluate import Evaluator
 from rlhflab.trainers.online.monitor import Monitor, RunWatch
+from rlhflab.trainers.online.prompt_filter import check_prompt_filter, filtered_rows, probe_train_prompts
 from rlhflab.trainers.online.passes import (average_stats, micro_losses, rows_named, shuffled_rows,  # noqa: F401
                                             update_passes)
 from rlhflab.trainers.online.ranks import (OnlineRanks, check_world, gather_rollout, rollout_generator,
@@ -226,6 +227,7 @@ def train_online(cfg, algorithm: Algorithm, run: RunDir | None = None, reward_fn
                                                                 trust_remote_code=cfg.trust_remote_code))
     train_rows = prompts.train
     verifier = build_verifier(cfg, prompts, given)
+    check_prompt_filter(cfg, verifier is not None)
     roles, tokenizer = build_roles(cfg, critic=algorithm.critic, precision=precision)
     normalisation: dict = {}
     if reward_fn is None:
@@ -235,6 +237,12 @@ def train_online(cfg, algorithm: Algorithm, run: RunDir | None = None, reward_fn
     world.check_same(prompt_ids, "the tokenised train prompts")
     ranks = wrap_roles(roles, cfg, world)  # before the optimiser: FSDP2 replaces the parameters
     run, resumed = open_run(cfg, algorithm.name, ranks.layout, given.callbacks) if run is None else (run, None)
+    prompt_filter = None  # --filter_prompts: the prompts the starting policy never or always solves left out
+    if cfg.filter_prompts != "none":
+        with ranks.whole_policy(on_every_rank=False) as policy, generation_autocast(policy, precision.autocast):
+            prompt_filter = world.from_main(lambda: filtered_rows(cfg, run, resumed is not None, lambda: (
+                probe_train_prompts(policy, tokenizer, train_rows, verifier, cfg))))
+        train_rows, prompt_ids = ([rows[i] for i in prompt_filter["kept_indices"]] for rows in (train_rows, prompt_ids))
 
     group = algorithm.samples_per_prompt
     num_updates = cfg.total_episodes // cfg.batch_size
@@ -432,6 +440,7 @@ def train_online(cfg, algorithm: Algorithm, run: RunDir | None = None, reward_fn
         wall_time_s={**{k: round(v, 3) for k, v in walls.items()}, "total": round(time.time() - started, 3)},
         model_dir=str(model_dir), **monitored, budget_stop=budget_stop,
         nonfinite={"mode": cfg.nonfinite, "skipped_updates": skipped},
+        prompt_filter={k: v for k, v in prompt_filter.items() if k != "kept_indices"} if prompt_filter else None,
         parallel={**ranks.layout.describe(), **world.describe()},
         precision=precision.describe(),
         reward_errors=rewards.error_summary(reward_fn, verifier, world=world),  # every rank: summed over them
