@@ -52,8 +52,8 @@ def run_cli(argv):
 def compared(setup):
     folder, config = setup
     out = folder / "out"
-    code, stdout = run_cli(["compare", "--config", str(config), "--methods", "ppo,grpo,grpo-async", "--budget",
-                            "episodes=16", "--output_dir", str(out), "--seed", "3"])
+    code, stdout = run_cli(["compare", "--config", str(config), "--methods", "ppo,grpo,grpo-async,grpo+dynamic",
+                            "--budget", "episodes=16", "--output_dir", str(out), "--seed", "3"])
     return code, out, stdout, json.loads((out / "summary.json").read_text())
 
 
@@ -99,7 +99,9 @@ def test_every_method_gets_the_shared_settings_and_only_its_own_section(compared
     assert ppo["learning_rate"] == 1e-3 and grpo["learning_rate"] == 2e-3 and grpo["num_generations"] == 4
     assert ppo["num_ppo_epochs"] == 1
     written = yaml.safe_load((out / "config.yaml").read_text())  # a valid --config again: shared keys + sections
-    assert written["grpo"]["learning_rate"] == 2e-3 and written["methods"] == "ppo,grpo,grpo-async"
+    assert written["grpo"]["learning_rate"] == 2e-3 and written["methods"] == "ppo,grpo,grpo-async,grpo+dynamic"
+    dynamic = yaml.safe_load((out / "grpo+dynamic" / "config.yaml").read_text())
+    assert dynamic["dynamic_sampling"] is True and dynamic["learning_rate"] == 2e-3 and not grpo["dynamic_sampling"]
     # the variant: its method's section and settings, with generation overlapped (one update stale at most)
     variant = yaml.safe_load((out / "grpo-async" / "config.yaml").read_text())
     assert {k: v for k, v in variant.items() if k not in ("output_dir", "async_generation")} == \
@@ -122,11 +124,17 @@ def test_report_and_console_show_every_method(compared):
     assert write_report(out, out / "again.html").read_text() == page
     lines = stdout.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("method"))
-    assert lines[header].split() == ["method", "test", "pass", "gain", "KL", "wall", "s", "episodes/s", "variant", "vs",
-                                     "its", "method"]
-    assert [line.split()[0] for line in lines[header + 2:header + 6]] == ["start", "ppo", "grpo", "grpo-async"]
+    # the untrained model fails the suite's checker (its reward) everywhere: every group all-equal, refilled, padded
+    dynamic = summary["methods"]["grpo+dynamic"]
+    assert dynamic["episodes"] == 16 and dynamic["episodes_generated"] > 16 == summary["methods"]["grpo"][
+        "episodes_generated"]
+    assert lines[header].split() == ["method", "test", "pass", "gain", "KL", "wall", "s", "episodes/s", "generated",
+                                     "variant", "vs", "its", "method"]
+    assert [line.split()[0] for line in lines[header + 2:header + 7]] == ["start", "ppo", "grpo", "grpo-async",
+                                                                            "grpo+dynamic"]
     assert f"{summary['methods']['grpo']['test_pass_rate']:.1%}" in lines[header + 4]
-    assert "vs grpo: " in lines[header + 5] and "vs " not in lines[header + 4]
+    assert "vs grpo: " in lines[header + 5] and "vs " not in lines[header + 4] and "vs grpo: " in lines[header + 6]
+    assert f" {dynamic['episodes_generated']} " in lines[header + 6]
 
 
 def test_seconds_budget_is_kept_and_a_failing_method_is_recorded(setup, monkeypatch):

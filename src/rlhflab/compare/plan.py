@@ -34,9 +34,8 @@ class Method:
     settings: tuple[tuple[str, Any], ...] = ()  # a variant's own settings, before its section's
 
 
-def async_variant(method: Method) -> Method:
-    return dataclasses.replace(method, name=f"{method.name}-async", variant_of=method.name,
-                               settings=(("async_generation", True),))
+def variant(method: Method, suffix: str, *settings: tuple[str, Any]) -> Method:
+    return dataclasses.replace(method, name=f"{method.name}{suffix}", variant_of=method.name, settings=settings)
 
 
 BASE_METHODS = (
@@ -47,7 +46,13 @@ BASE_METHODS = (
     Method("dpo", "DPOConfig", "rlhflab.trainers.dpo", online=False),
     Method("online-dpo", "OnlineDPOConfig", "rlhflab.trainers.online_dpo", online=True),
 )
-METHODS: dict[str, Method] = {m.name: m for m in (*BASE_METHODS, *(async_variant(m) for m in BASE_METHODS if m.online))}
+GROUP_RELATIVE = ("grpo", "rloo", "online-dpo")  # their advantages compare a prompt's answers: the controls apply
+METHODS: dict[str, Method] = {m.name: m for m in (
+    *BASE_METHODS,
+    *(variant(m, "-async", ("async_generation", True)) for m in BASE_METHODS if m.online),
+    *(variant(m, "+dynamic", ("dynamic_sampling", True)) for m in BASE_METHODS if m.name in GROUP_RELATIVE),
+    *(variant(m, "+filter", ("filter_prompts", "pass_rate")) for m in BASE_METHODS if m.name in GROUP_RELATIVE),
+)}
 assert tuple(METHODS) == COMPARE_METHODS + COMPARE_VARIANTS
 # fields of CompareConfig that are the comparison's own, not handed to the methods
 COMPARE_ONLY = ("methods", "budget", "prompts_file", "kl_samples", "output_dir", "overwrite")
@@ -233,6 +238,9 @@ def check_compare_config(cfg: CompareConfig) -> None:
                              "pass your held-out test prompts (and --verifier), as for rlhflab eval")
     if cfg.kl_samples < 1:
         raise UserInputError(f"kl_samples must be >= 1, got {cfg.kl_samples}", "--kl_samples")
+    from rlhflab.rewards.functions import CallLimits
+
+    CallLimits(cfg.reward_timeout, cfg.reward_errors)  # a negative --reward_timeout (the judge's verifier)
 
 
 def plan_compare(cfg: CompareConfig, sections: dict[str, dict], where: str = "--config") -> ComparePlan:

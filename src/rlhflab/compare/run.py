@@ -16,7 +16,7 @@ import yaml
 from rlhflab.compare.judge import Judge
 from rlhflab.compare.plan import METHODS, ComparePlan, Method
 from rlhflab.config import write_config
-from rlhflab.errors import Interrupted, UserInputError
+from rlhflab.errors import Interrupted, UserInputError, writing
 from rlhflab.eval import RunMonitor, table_from_rows
 from rlhflab.report import write_report
 from rlhflab.intervals import paired_counts
@@ -53,6 +53,9 @@ def method_entry(result: RunResult, wall_s: float, kl: float, table: dict, start
     return {
         "test_pass_rate": table["overall"], "gain": table["overall"] - start, "kl_to_reference": kl,
         "wall_s": round(wall_s, 3), "train_s": loop_s, "episodes": episodes,
+        # answers sampled, beyond the trained ones: --dynamic_sampling's dropped groups, --filter_prompts' probe
+        "episodes_generated": (summary.get("episodes_generated") or episodes or 0)
+        + ((summary.get("prompt_filter") or {}).get("generated") or 0) if isinstance(episodes, (int, float)) else None,
         "episodes_per_s": episodes / throughput_s if isinstance(episodes, (int, float)) else None,
         "stopped": summary.get("stopped"), "alarms": summary.get("alarms", []),
         "validation": summary.get("validation_pass_rate") or summary.get("validation_reward"),
@@ -101,8 +104,10 @@ def run_compare(plan: ComparePlan) -> RunResult:
     run = RunDir(plan.out, overwrite=cfg.overwrite, report_to=cfg.report_to)
     write_config(cfg, run.path / "config.yaml")
     if plan.sections:  # config.yaml stays a valid --config: shared fields plus each method's section
-        with open(run.path / "config.yaml", "a") as f:
-            f.write(yaml.safe_dump(plan.sections, sort_keys=False))
+        text = yaml.safe_dump(plan.sections, sort_keys=False)
+        with writing("config.yaml", run.path / "config.yaml", run.path, len(text.encode())):
+            with open(run.path / "config.yaml", "a") as f:
+                f.write(text)
     run.write_versions(cfg.seed)
     judge = Judge(cfg)
     start_answers = judge.answers(judge.reference)

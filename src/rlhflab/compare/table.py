@@ -40,21 +40,26 @@ def _versus(m: dict) -> str:
 
 def format_compare_table(summary: dict) -> str:
     """method | test pass [95 % interval] | gain [95 % interval] | KL | wall s | episodes/s, one line per model (the
-    start first), aligned; with variants (e.g. grpo-async) a last column pairs each with its method."""
+    start first), aligned; where a method generated more answers than it trained on (+dynamic, +filter) a
+    `generated` column; with variants (grpo-async, grpo+dynamic ...) a last column pairs each with its method."""
     methods = summary["methods"]
     versus = any("vs_method" in m for m in methods.values())
-    lines = [["method", "test pass", "gain", "KL", "wall s", "episodes/s"] + (["variant vs its method"] if versus else []),
-             ["start", _rate(summary, "start"), "", "0", "", ""] + ([""] if versus else [])]
+    # answers generated beyond those trained (--dynamic_sampling, --filter_prompts): a column of their own
+    extra = any(m.get("episodes_generated") not in (None, m.get("episodes")) for m in methods.values())
+    lines = [["method", "test pass", "gain", "KL", "wall s", "episodes/s"] + (["generated"] if extra else [])
+             + (["variant vs its method"] if versus else []),
+             ["start", _rate(summary, "start"), "", "0", "", ""] + [""] * (extra + versus)]
     for name, m in methods.items():
         if "error" in m:
             lines.append([name, f"failed: {m['error'][:70]}", "", "", _cell(m.get("wall_s"), "s"), ""]
-                         + ([""] if versus else []))
+                         + [""] * (extra + versus))
             continue
         lines.append([name, _rate(summary, name), _gain(m), _cell(m["kl_to_reference"], "kl"), _cell(m["wall_s"], "s"),
-                      _cell(m["episodes_per_s"], "eps")] + ([_versus(m)] if versus else []))
+                      _cell(m["episodes_per_s"], "eps")] + ([_cell(m.get("episodes_generated"), "s")] if extra else [])
+                     + ([_versus(m)] if versus else []))
     columns = len(lines[0])
     widths = [max(len(line[i]) for line in lines if not line[1].startswith("failed") or i != 1) for i in range(columns)]
-    text = ["  ".join(c.ljust(w) if i in (0, 6) or c.startswith("failed") else c.rjust(w)
+    text = ["  ".join(c.ljust(w) if i == 0 or (versus and i == columns - 1) or c.startswith("failed") else c.rjust(w)
                       for i, (c, w) in enumerate(zip(line, widths))).rstrip() for line in lines]
     footer = ("[low–high]: 95 % intervals; a gain is paired over the test prompts (Agresti-Min) and called better "
               "or worse only where its interval excludes 0")

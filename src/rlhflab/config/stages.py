@@ -15,10 +15,13 @@ from rlhflab.config.online import (GRPOConfig, OnlineDPOConfig, PPOConfig, REINF
 
 # `rlhflab compare --methods`: the trainers it can run, in the order they are reported
 COMPARE_METHODS = ("ppo", "grpo", "rloo", "reinforce", "dpo", "online-dpo")
+# variants, not in the default --methods: the online methods with --async_generation (max_staleness 1 unless a
+# section says otherwise), what overlapping generation with training buys in time and costs in learning; and the
+# group-relative ones with --dynamic_sampling or --filter_prompts pass_rate, what each control buys against its
+# generation cost
+COMPARE_VARIANTS = (*(f"{m}-async" for m in COMPARE_METHODS if m != "dpo"),
+                    *(f"{m}+{control}" for control in ("dynamic", "filter") for m in ("grpo", "rloo", "online-dpo")))
 
-# the online methods with --async_generation (max_staleness 1 unless a section says otherwise): rows that show
-# what overlapping generation with training buys in time and costs in learning; not in the default --methods
-COMPARE_VARIANTS = tuple(f"{m}-async" for m in COMPARE_METHODS if m != "dpo")
 
 # --- stage configs ------------------------------------------------------------------
 
@@ -271,8 +274,9 @@ class CompareConfig(RunFields, ModelFields, SuiteFields, PromptFileFields, Rewar
         name for method in COMPARE_METHODS + COMPARE_VARIANTS for name in (method, method.replace("-", "_"))))
 
     methods: str = arg(",".join(COMPARE_METHODS), "methods to run, comma-separated, from "
-                                                  f"{', '.join(COMPARE_METHODS)}, and their asynchronous variants "
-                                                  f"{', '.join(COMPARE_VARIANTS)} (--async_generation)")
+                                                  f"{', '.join(COMPARE_METHODS)}, and the variants "
+                                                  f"{', '.join(COMPARE_VARIANTS)} (-async: --async_generation; "
+                                                  "+dynamic: --dynamic_sampling; +filter: --filter_prompts pass_rate)")
     budget: str = arg("episodes=3840", "what every method gets: episodes=N sampled responses (DPO: N preference "
                                        "pairs trained on) or seconds=S of training wall time")
     reward: Literal["auto", "checker", "model", "combined", "random"] = arg(
