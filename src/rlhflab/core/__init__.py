@@ -11,6 +11,8 @@ from rlhflab.core.advantages import (
     rloo_advantages,
     token_rewards,
 )
+from rlhflab.core.entropy import (AdaptiveEntropyController, entropy_bonus, entropy_threshold,
+                                  top_entropy_mask)
 from rlhflab.core.importance import SAMPLER_CORRECTIONS, sampler_correction_weights
 from rlhflab.core.kl import KL_ESTIMATORS, AdaptiveKLController, FixedKLController, kl_k1, kl_k2, kl_k3
 from rlhflab.core.losses import (
@@ -31,5 +33,7 @@ from rlhflab.core.losses import (
     simpo_loss,
 )
 from rlhflab.core.masked import mask_from_lengths, masked_mean, masked_sum, masked_var, whiten
+from rlhflab.core.shaping import length_shaped_scores, overlong_penalty
 
-__all__ = [name for name in dir() if not name.startswith("_") and name not in {"advantages", "importance", "kl", "losses", "masked"}]
+_MODULES = {"advantages", "entropy", "importance", "kl", "losses", "masked", "shaping"}
+__all__ = [name for name in dir() if not name.startswith("_") and name not in _MODULES]
