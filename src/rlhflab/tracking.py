@@ -125,10 +125,11 @@ class RunDir:
         self.path = Path(path)
         backends = sink_names(report_to)  # a typo fails before the folder is made
         check_folder_free(self.path, overwrite or resume)
-        self.path.mkdir(parents=True, exist_ok=True)
-        for name in ("metrics.jsonl", "samples.jsonl"):
-            if not resume:
-                (self.path / name).write_text("")
+        with writing("the run folder", self.path, self.path):  # a full disk at start-up: exit code 5 too
+            self.path.mkdir(parents=True, exist_ok=True)
+            for name in ("metrics.jsonl", "samples.jsonl"):
+                if not resume:
+                    (self.path / name).write_text("")
         self._sinks = [_make_sink(name, self.path) for name in backends]
         if callbacks:
             self._sinks.append(CallbackSink(callbacks, self.path))

@@ -1,6 +1,6 @@
-"""Injected faults: NaN in a reward, a loss or an advantage stops the run with no checkpoint after it (or, with
---nonfinite skip, drops and counts the update); a damaged checkpoint is a clear error on resume, never a silent
-fresh start."""
+"""Injected faults: NaN in a reward, a loss (SFT, RM, DPO, PPO) or an advantage, and an inf gradient behind a finite
+loss, stop the run with no checkpoint after it (or, with --nonfinite skip, drop and count the update); a damaged
+checkpoint is a clear error on resume, never a silent fresh start."""
 
 import json
 import math
@@ -220,3 +220,86 @@ def test_non_finite_advantages_stop_naming_rows_and_prompts_or_drop_the_update(p
     assert [r["nonfinite/skipped_updates"] for r in metrics(out) if "kl_coef" in r] == [0, 4, 4, 4, 4, 4]
     steps = out / "checkpoints"
     assert same_tensors(steps / "step-1" / "model.safetensors", steps / "step-2" / "model.safetensors")
+
+
+# --- an inf gradient behind a finite loss (float32: no loss scaler to explain it) -----------------------------
+
+
+@pytest.mark.parametrize("mode", ["stop", "skip"])
+def test_an_inf_gradient_with_a_finite_loss_stops_or_is_dropped_as_a_nan_loss_is(mode):
+    from rlhflab.trainers.nonfinite import clip_and_step
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+
+    def backward() -> float:
+        loss = model(torch.ones(4, 3)).pow(2).mean()
+        loss.backward()
+        return loss.item()
+
+    assert clip_and_step(optimizer, scheduler, model.parameters(), 1.0, backward(), mode, "test") is not None
+    weights, moments = {k: v.clone() for k, v in model.state_dict().items()}, str(optimizer.state_dict())
+    lr = scheduler.get_last_lr()
+    loss = backward()
+    model.weight.grad[1, 2] = math.inf  # one overflowed gradient element; the loss itself is finite
+    assert math.isfinite(loss)
+    if mode == "stop":
+        with pytest.raises(FloatingPointError, match=r"non-finite test gradient norm at lr"):
+            clip_and_step(optimizer, scheduler, model.parameters(), 1.0, loss, mode, "test")
+    else:
+        assert clip_and_step(optimizer, scheduler, model.parameters(), 1.0, loss, mode, "test") is None
+        assert all(p.grad is None for p in model.parameters())  # dropped: nothing carried into the next step
+    # no AdamW step (the clip would have scaled every other gradient to 0 and stepped on the moments) and no LR step
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in weights.items())
+    assert str(optimizer.state_dict()) == moments and scheduler.get_last_lr() == lr
+
+
+def test_an_inf_gradient_stops_sft_naming_the_step_and_cli_exits_3(tmp_path, monkeypatch, capsys):
+    from rlhflab.trainers.nonfinite import clip_and_step
+
+    steps = []
+
+    def inf_gradient_at_step_4(optimizer, scheduler, params, *args, **kwargs):
+        params = list(params)
+        steps.append(1)
+        if len(steps) == 4:
+            params[0].grad.view(-1)[0] = math.inf
+        return clip_and_step(optimizer, scheduler, params, *args, **kwargs)
+
+    monkeypatch.setattr(sft, "clip_and_step", inf_gradient_at_step_4)
+    out = tmp_path / "run"
+    assert main([*sft_args(out), "--save_every", "1", "--keep_last_n", "0"]) == 3
+    err = capsys.readouterr().err
+    assert re.search(r"SFT step 4: non-finite SFT gradient norm at lr \S+ \(train examples \[\d+(, \d+){7}\]\); "
+                     r"no checkpoint or model written after it", err), err
+    assert saved_steps(out) == [1, 2, 3] and not (out / "model").exists()
+
+
+def test_a_nan_dpo_loss_stops_naming_the_step_and_its_pairs_with_no_checkpoint_after_it(policy_dir, tmp_path,
+                                                                                        monkeypatch, capsys):
+    from rlhflab.trainers import dpo
+
+    real_step, real_loss, steps = dpo.train_step, dpo.preference_loss, []
+
+    def counted(*args, **kwargs):
+        steps.append(1)
+        return real_step(*args, **kwargs)
+
+    def nan_in_step_3(cfg, policy, reference):
+        loss, stats = real_loss(cfg, policy, reference)
+        return (loss * math.nan, {**stats, "loss": math.nan}) if len(steps) == 3 else (loss, stats)
+
+    monkeypatch.setattr(dpo, "train_step", counted)
+    monkeypatch.setattr(dpo, "preference_loss", nan_in_step_3)
+    out = tmp_path / "run"
+    args = ["dpo", "--model", policy_dir, "--output_dir", str(out), "--pairs_per_prompt", "1", "--batch_size", "4",
+            "--max_steps", "5", "--eval_every", "0", "--save_every", "1", "--keep_last_n", "0",
+            "--write_report", "false", "--num_train_prompts", "22", "--num_validation_prompts", "11",
+            "--num_test_prompts", "11", "--progress", "false", "--threads", "1"]
+    assert main(args) == 3
+    err = capsys.readouterr().err
+    assert re.search(r"DPO step 3: non-finite DPO loss nan at lr \S+ \(train pairs \[\d+, \d+, \d+, \d+\]\); "
+                     r"no checkpoint or model written after it", err), err
+    assert saved_steps(out) == [1, 2] and not (out / "model").exists()

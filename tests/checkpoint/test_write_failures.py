@@ -1,6 +1,7 @@
 """A full disk or an I/O error while writing a checkpoint, the final model or a history file ends the run with one
 line (what, where, the space needed, the last complete checkpoint, the command that resumes) and exit code 5; the
-partial folder is removed and nothing complete is touched. The final model folder is written whole or not at all.
+partial folder is removed and nothing complete is touched; so do config.yaml, fingerprints.json, worst_cases.md and
+the rows copied into RUN/inputs/. The final model folder (and config.yaml) is written whole or not at all.
 A history cut short by a host crash resumes with a warning instead of a refusal (issue 34, items 1-2)."""
 
 import errno
@@ -13,6 +14,7 @@ import shlex
 import shutil
 import subprocess
 import uuid
+from pathlib import Path
 
 import pytest
 from runcheck import assert_same_weights, metrics, sft_args
@@ -209,3 +211,95 @@ def test_safetensors_io_errors_are_write_failures_and_the_message_crosses_to_oth
                         r"device \(ENOSPC\) \(needed about 3\.0 MiB, \d+\.\d MiB free\); last complete checkpoint "
                         rf"{tmp_path}/checkpoints/step-2; free space, then resume with: rlhflab grpo --config "
                         rf"{tmp_path}/config.yaml --resume latest --output_dir {tmp_path}", str(err))
+
+
+# --- the files a run writes at start-up and on the side: the same one line and exit code 5 -------------------
+
+
+def fill_the_disk_at(monkeypatch, name: str) -> None:
+    """Path.write_text of a file called `name` writes half its text, then fails as a full disk does."""
+    real = Path.write_text
+
+    def write_text(self, data, *args, **kwargs):
+        if self.name == name:
+            real(self, data[: len(data) // 2], *args, **kwargs)
+            raise NO_SPACE
+        return real(self, data, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", write_text)
+
+
+@pytest.mark.parametrize("name,written", [("config.yaml", ".config.yaml.partial"),
+                                          ("fingerprints.json", "fingerprints.json.tmp")])
+def test_a_full_disk_at_start_up_exits_5_with_one_line_and_leaves_no_partial_file(tmp_path, monkeypatch, capsys,
+                                                                                   name, written):
+    fill_the_disk_at(monkeypatch, written)
+    out = tmp_path / "run"
+    assert main([*sft_args(out), "--write_report", "false"]) == WRITE_FAILED_EXIT_CODE
+    line = one_line(capsys.readouterr().err)
+    assert re.search(rf"write failed: could not write {re.escape(name)} to {out}/{re.escape(name)}: No space left on "
+                     r"device \(ENOSPC\) \(needed about \d+\.\d KiB, .* free\); no complete checkpoint; free space, "
+                     r"then start the run again \(--overwrite\)$", line), line
+    assert not (out / written).exists() and not (out / "checkpoints").exists()
+    monkeypatch.undo()  # space freed: the run starts again in the same folder (its lock was released)
+    assert main([*sft_args(out), "--write_report", "false", "--overwrite"]) == 0
+    assert (out / name).is_file() and (out / "model").is_dir()
+
+
+def test_a_resume_that_rewrites_config_yaml_on_a_full_disk_keeps_the_old_one_whole(reference, tmp_path, monkeypatch,
+                                                                                   capsys):
+    out = tmp_path / "run"
+    shutil.copytree(reference, out)
+    before = (out / "config.yaml").read_text()
+    fill_the_disk_at(monkeypatch, ".config.yaml.partial")
+    changed = [*sft_args(out), "--write_report", "false", "--resume", str(out / "checkpoints" / "step-15"),
+               "--learning_rate", "0.01", "--allow_config_change", "true"]
+    assert main(changed) == WRITE_FAILED_EXIT_CODE
+    line = one_line(capsys.readouterr().err)
+    assert f"could not write config.yaml to {out}/config.yaml: No space left on device" in line
+    assert "resume with: rlhflab sft" in line  # the run has complete checkpoints: the line says how to go on
+    assert (out / "config.yaml").read_text() == before  # never half a YAML file: the run stays resumable
+    assert not (out / ".config.yaml.partial").exists()
+
+
+def test_a_full_disk_while_copying_in_memory_rows_into_run_inputs_is_a_write_failure(tmp_path, monkeypatch):
+    import builtins
+
+    from rlhflab.api import inputs
+
+    real_open = builtins.open
+
+    def full_disk(file, mode="r", *args, **kwargs):
+        if ".partial" in str(file) and "w" in mode:
+            with real_open(file, mode, *args, **kwargs) as f:
+                f.write('{"prompt": "half a row')
+            raise NO_SPACE
+        return real_open(file, mode, *args, **kwargs)
+
+    monkeypatch.setattr(inputs, "open", full_disk, raising=False)
+    run = tmp_path / "run"
+    rows = [{"prompt": "2+2=", "completion": "4"}] * 3
+    with pytest.raises(WriteFailed) as err:
+        inputs.write_dataset(rows, run / "inputs" / "train", "train_dataset", "sft")
+    assert str(err.value).startswith(f"could not write train_dataset (the run's copy of its rows) to "
+                                     f"{run}/inputs/train.jsonl: No space left on device (ENOSPC)")
+    assert list((run / "inputs").iterdir()) == []  # the partial file removed, no train.jsonl
+    monkeypatch.undo()
+    assert inputs.write_dataset(rows, run / "inputs" / "train", "train_dataset", "sft") == str(run / "inputs" /
+                                                                                               "train.jsonl")
+
+
+def test_a_full_disk_while_writing_worst_cases_md_exits_5_naming_it(policy_dir, tmp_path, monkeypatch, capsys):
+    tokenizer = models.load_tokenizer(policy_dir)
+    rm_dir = tmp_path / "rm"
+    models.build_reward_model_from_causal(policy_dir, tokenizer).save_pretrained(rm_dir)
+    tokenizer.save_pretrained(rm_dir)
+    fill_the_disk_at(monkeypatch, "worst_cases.md")
+    out = tmp_path / "diagnosis"
+    args = ["rm", "diagnose", "--reward_model", str(rm_dir), "--policy", policy_dir, "--output_dir", str(out),
+            "--split", "validation", "--num_train_prompts", "22", "--num_validation_prompts", "4",
+            "--num_test_prompts", "4", "--samples_per_prompt", "1", "--max_new_tokens", "4", "--progress", "false",
+            "--threads", "1", "--write_report", "false"]
+    assert main(args) == WRITE_FAILED_EXIT_CODE
+    line = one_line(capsys.readouterr().err)
+    assert f"could not write worst_cases.md to {out}/worst_cases.md: No space left on device (ENOSPC)" in line

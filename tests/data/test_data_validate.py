@@ -196,3 +196,24 @@ def test_prompt_too_long_is_reported(write_jsonl, make_tok):
         (3, "empty field 'prompt'")]
     with pytest.raises(UserInputError, match="max_prompt_tokens needs a tokenizer"):
         validate(read_records(path), "sft", max_prompt_tokens=2)
+
+
+def test_an_online_stage_drops_over_long_prompts_counting_them_and_strict_refuses_them(write_jsonl, make_tok, caplog):
+    """The online stages' prompt files (sources.prompt_splits) go through the same length check as SFT / DPO / RM
+    rows: dropped and counted in the log by default, every one listed under --strict; the BOS counts."""
+    import dataclasses
+
+    from rlhflab import sources
+    from rlhflab.config import GRPOConfig
+
+    train = write_jsonl([{"prompt": "say hi"}, {"prompt": "say hello world"}, {"prompt": "hi"}], name="train.jsonl")
+    validation = write_jsonl([{"prompt": "hi"}, {"prompt": "hello world hello world"}], name="validation.jsonl")
+    cfg = GRPOConfig(model="m", train_file=str(train), validation_file=str(validation), max_prompt_tokens=2)
+    with caplog.at_level(logging.WARNING, logger="rlhflab.data"):
+        splits = sources.prompt_splits(cfg, make_tok())
+    assert [r.prompt for r in splits.train] == ["say hi", "hi"] and [r.prompt for r in splits.validation] == ["hi"]
+    logged = [r.getMessage() for r in caplog.records if r.name == "rlhflab.data"]
+    assert f"{train}: dropped 1 of 3 rows as invalid prompts data: prompt too long (1)" in logged[0]
+    assert f"{train}:2: prompt has 3 tokens, more than max_prompt_tokens=2" in logged[0]
+    with pytest.raises(UserInputError, match=rf"{train}:1: prompt has 3 tokens.*\n.*{train}:2: prompt has 4 tokens"):
+        sources.prompt_splits(dataclasses.replace(cfg, strict=True), make_tok(add_bos=True))

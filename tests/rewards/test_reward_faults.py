@@ -220,3 +220,34 @@ def test_a_call_that_cannot_be_interrupted_ends_the_process_with_the_message():
     assert time.time() - started < 10
     assert done.returncode == 2
     assert "reward function stuck did not return within 0.3 s and did not stop when interrupted" in done.stderr
+
+
+@pytest.mark.parametrize("timeout", [-1.0, float("nan")])
+def test_a_negative_reward_timeout_is_refused_at_config_check_time_naming_the_flag(timeout):
+    """Whether or not the run has a function of the user's to time (the check used to wait until one was built,
+    after the models loaded; without one, a negative limit passed unnoticed)."""
+    from rlhflab.compare.plan import check_compare_config
+    from rlhflab.config import CompareConfig, DPOConfig, EvalConfig, OnlineDPOConfig, PPOConfig, RMDiagnoseConfig
+    from rlhflab.eval import pass_rate
+    from rlhflab.eval.rm_diagnosis import check_diagnose_config
+    from rlhflab.trainers import dpo, online_dpo, ppo
+
+    named = r"--reward_timeout: reward_timeout must be >= 0 seconds, got"
+    checks = [(grpo.check_config, GRPOConfig), (ppo.check_config, PPOConfig),
+              (online_dpo.check_config, OnlineDPOConfig), (dpo.check_dpo_config, DPOConfig),
+              (check_diagnose_config, RMDiagnoseConfig), (check_compare_config, CompareConfig)]
+    for check, config in checks:
+        with pytest.raises(UserInputError, match=named):
+            check(config(model="no/such/folder", reward_timeout=timeout) if "model" in config.__dataclass_fields__
+                  else config(reward_timeout=timeout))
+    with pytest.raises(UserInputError, match=named):  # eval: refused before the (missing) model is read
+        pass_rate.evaluate(EvalConfig(model="no/such/folder", reward_timeout=timeout, output_dir="unused"))
+
+
+def test_the_cli_refuses_a_negative_reward_timeout_before_anything_loads(tmp_path, capsys):
+    from rlhflab.cli import main
+
+    out = tmp_path / "run"
+    assert main(["grpo", "--model", "no/such/folder", "--output_dir", str(out), "--reward_timeout", "-5"]) == 2
+    assert "--reward_timeout: reward_timeout must be >= 0 seconds, got -5.0" in capsys.readouterr().err
+    assert not out.exists()

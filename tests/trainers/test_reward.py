@@ -177,6 +177,15 @@ def test_a_bad_size_is_refused_before_the_run_folder_exists(backbone_dir, tmp_pa
     assert not (tmp_path / "rm").exists()
 
 
+def test_gradient_accumulation_steps_is_refused_not_silently_ignored(backbone_dir, tmp_path):
+    """RMConfig has the field (OptimFields) but the trainer never read it: a TRL-style config with it set trained
+    whole batches without a word. Its memory lever is --length_chunks (the same gradient in several passes)."""
+    with pytest.raises(UserInputError, match="--gradient_accumulation_steps: rlhflab rm has no gradient accumulation "
+                                             r"\(gradient_accumulation_steps 4\) -> .*--length_chunks"):
+        reward.train(tiny_rm_cfg(backbone_dir, tmp_path, gradient_accumulation_steps=4))
+    assert not (tmp_path / "rm").exists()
+
+
 def test_length_chunks_zero_runs_one_pass_per_16_pairs_of_the_step(monkeypatch):
     seen = []
     monkeypatch.setattr(reward, "pair_scores", lambda model, batch, pad, chunks, shared: seen.append(chunks) or (

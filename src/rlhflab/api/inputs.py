@@ -8,18 +8,19 @@ A model id or folder, and a data file or dataset name, are passed through as the
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import filecmp
 import inspect
 import json
 import math
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from rlhflab.config.parsing import check_values
-from rlhflab.errors import UserInputError
+from rlhflab.errors import UserInputError, writing
 
 
 def check_config(args: Any, config_cls: type, where: str) -> None:
@@ -72,19 +73,21 @@ def write_dataset(dataset: Any, path: Path, what: str, kind: str, resumed: bool 
     trained on, and other rows are refused (unless `allow_change`), as a changed config is."""
     if isinstance(dataset, (str, Path)):
         return str(dataset)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    with _writing_rows(what, path.parent, path.parent):
+        path.parent.mkdir(parents=True, exist_ok=True)
     if hasattr(dataset, "to_parquet") and hasattr(dataset, "column_names"):  # a datasets.Dataset
         if len(dataset) == 0:
             raise UserInputError(f"{what} has no rows", what)
         target = path.with_suffix(".parquet")
-        dataset.to_parquet(str(_partial(target)))
+        with _writing_rows(what, target, _partial(target)):
+            dataset.to_parquet(str(_partial(target)))
         return _put_in_place(target, what, kind, resumed, allow_change)
     rows = list(dataset) if isinstance(dataset, Sequence) or hasattr(dataset, "__iter__") else None
     if rows is None or not rows:
         raise UserInputError(f"{what} is {'empty' if rows == [] else f'a {type(dataset).__name__}'}", what,
                              "pass a datasets.Dataset, a list of dicts (one per row) or a file / dataset name")
     target = path.with_suffix(".jsonl")
-    with open(_partial(target), "w") as out:
+    with _writing_rows(what, target, _partial(target)), open(_partial(target), "w") as out:
         for i, row in enumerate(rows):
             if not isinstance(row, dict):
                 raise UserInputError(f"{what} row {i} is a {type(row).__name__}, not a dict", what,
@@ -95,6 +98,20 @@ def write_dataset(dataset: Any, path: Path, what: str, kind: str, resumed: bool 
                 raise UserInputError(f"{what} row {i} cannot be written as JSON ({err})", what,
                                      "keep to strings, numbers, bools, lists and dicts in the rows") from err
     return _put_in_place(target, what, kind, resumed, allow_change)
+
+
+@contextlib.contextmanager
+def _writing_rows(what: str, target: Path, partial: Path) -> Iterator[None]:
+    """A full disk or an I/O error while writing `what` into RUN/inputs/ is a `WriteFailed` naming it (exit code 5,
+    as for a checkpoint), and the partial file goes; a user mistake (a row that is no dict) is raised as it is."""
+    inputs = target if target.name == "inputs" else target.parent
+    try:
+        with writing(f"{what} (the run's copy of its rows)", target, inputs.parent):
+            yield
+    except BaseException:
+        if partial.is_file():
+            partial.unlink(missing_ok=True)
+        raise
 
 
 def _put_in_place(target: Path, what: str, kind: str, resumed: bool, allow_change: bool) -> str:
@@ -130,7 +147,8 @@ def write_model(model: Any, processing_class: Any, folder: Path, what: str) -> t
     if isinstance(model, (str, Path)):
         if tokenizer is None or isinstance(tokenizer, (str, Path)):
             return str(model), str(tokenizer or "")
-        tokenizer.save_pretrained(str(folder / "tokenizer"))
+        with writing("processing_class (the run's copy of it)", folder / "tokenizer", folder.parent):
+            tokenizer.save_pretrained(str(folder / "tokenizer"))
         return str(model), str(folder / "tokenizer")
     if not hasattr(model, "save_pretrained") or not hasattr(model, "config"):
         raise UserInputError(f"{what} is a {type(model).__name__}", what,
@@ -149,7 +167,8 @@ def write_model(model: Any, processing_class: Any, folder: Path, what: str) -> t
         tokenizer = load_tokenizer(str(source))
     from rlhflab.models import save_model_folder
 
-    save_model_folder(folder / "model", model, tokenizer)
+    with writing(f"{what} (the run's copy of it)", folder / "model", folder.parent):  # a full disk: exit code 5
+        save_model_folder(folder / "model", model, tokenizer)
     return str(folder / "model"), ""
 
 

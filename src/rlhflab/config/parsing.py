@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import os
 import typing
 from pathlib import Path
 from typing import Any, Literal
@@ -14,7 +15,7 @@ import yaml
 from transformers import HfArgumentParser
 
 from rlhflab.config.stages import STAGES
-from rlhflab.errors import UserInputError
+from rlhflab.errors import UserInputError, writing
 from rlhflab.trl_names import TRL_NAMES
 
 
@@ -158,5 +159,16 @@ def config_to_dict(config: Any) -> dict[str, Any]:
 
 
 def write_config(config: Any, path: Path) -> None:
-    """Write the effective config as YAML; it can be passed back with --config."""
-    path.write_text(yaml.safe_dump(config_to_dict(config), sort_keys=False))
+    """Write the effective config as YAML; it can be passed back with --config. Whole or not at all (a resume
+    with changes rewrites it: a half-written one would make the run unresumable); a full disk or an I/O error
+    is a `WriteFailed` naming it (exit code 5, issue 34)."""
+    path = Path(path)
+    text = yaml.safe_dump(config_to_dict(config), sort_keys=False)
+    tmp = path.with_name(f".{path.name}.partial")
+    try:
+        with writing(path.name, path, path.parent, len(text.encode())):
+            tmp.write_text(text)
+            os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise

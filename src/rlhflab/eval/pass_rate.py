@@ -128,6 +128,7 @@ def evaluate(cfg: EvalConfig, run: RunDir | None = None) -> RunResult:
     if not cfg.model:
         raise UserInputError("no model given", "--model", "pass a model folder, e.g. runs/demo-.../sft/model")
     check_backend(cfg)
+    rewards.CallLimits(cfg.reward_timeout, cfg.reward_errors)  # a negative --reward_timeout, before the model loads
     tokenizer = models.load_tokenizer(cfg.tokenizer or cfg.model, trust_remote_code=cfg.trust_remote_code)
     model = models.load_causal_lm(cfg.model, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code,
                                   device=resolve_device(cfg.device))

@@ -21,7 +21,7 @@ import torch
 from rlhflab import models, rewards
 from rlhflab.config import RMDiagnoseConfig, write_config
 from rlhflab.data.prompt_rows import PromptRow
-from rlhflab.errors import UserInputError
+from rlhflab.errors import UserInputError, writing
 from rlhflab.eval.length_bias import length_bias_probe
 from rlhflab.eval.pass_rate import eval_prompts, eval_verifier
 from rlhflab.tracking import RunDir, RunResult, default_run_path
@@ -99,6 +99,7 @@ def reference_answers(rows: list[PromptRow]) -> list[ReferenceAnswer]:
 
 def check_diagnose_config(cfg: RMDiagnoseConfig) -> None:
     """Values the diagnosis cannot run with, refused before anything is generated."""
+    rewards.CallLimits(cfg.reward_timeout, cfg.reward_errors)  # a negative --reward_timeout (the verifier's)
     if cfg.samples_per_prompt < 1:
         raise UserInputError(f"samples_per_prompt must be >= 1, not {cfg.samples_per_prompt}", "--samples_per_prompt",
                              "use 2 for a quick look, 8 for a correlation steady to about +-0.01")
@@ -132,7 +133,9 @@ def diagnose(cfg: RMDiagnoseConfig, run: RunDir | None = None) -> RunResult:
         row["score"] = score
     run.add_samples(rows)
     summary = diagnosis_summary(rows, cfg.worst_cases)
-    (run.path / "worst_cases.md").write_text(worst_cases_text(summary))
+    worst = worst_cases_text(summary)
+    with writing("worst_cases.md", run.path / "worst_cases.md", run.path, len(worst.encode())):
+        (run.path / "worst_cases.md").write_text(worst)
     headline = {k: v for k, v in summary.items() if not k.startswith("worst")}
     length_bias = length_bias_probe(rm, rm_tokenizer, reference_answers(prompts))  # each prompt once
     run.log({**{f"rm_diagnosis/{k}": v for k, v in headline.items()},

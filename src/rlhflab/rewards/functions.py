@@ -108,9 +108,10 @@ class CallLimits:
         if self.errors not in ERROR_MODES:
             raise UserInputError(f"unknown reward error mode {self.errors!r}", "--reward_errors",
                                  f"choose one of {', '.join(ERROR_MODES)}")
-        if not self.timeout >= 0:
-            raise UserInputError(f"a time limit of {self.timeout} s", "--reward_timeout",
-                                 "give the seconds one call may take, or 0 for no limit")
+        if not self.timeout >= 0:  # NaN too
+            raise UserInputError(f"reward_timeout must be >= 0 seconds, got {self.timeout}", "--reward_timeout",
+                                 "give the seconds one call of a reward or verifier function may take, or 0 for no "
+                                 "limit")
 
 
 @dataclass(frozen=True)

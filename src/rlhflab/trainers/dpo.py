@@ -33,7 +33,7 @@ from typing import Callable
 import torch
 from tqdm.auto import tqdm
 
-from rlhflab import models, parallel
+from rlhflab import models, parallel, rewards
 from rlhflab.checkpoint import open_run
 from rlhflab.config import DPOConfig
 from rlhflab.core import dpo_loss, ipo_loss, simpo_loss
@@ -109,6 +109,7 @@ def check_dpo_config(cfg: DPOConfig, world: parallel.World = parallel.SINGLE) ->
     """Refuse settings that cannot work, before anything is loaded."""
     if not cfg.model:
         raise UserInputError("no policy given", "--model", "pass the SFT model folder, e.g. runs/demo-.../sft/model")
+    rewards.CallLimits(cfg.reward_timeout, cfg.reward_errors)  # a negative --reward_timeout (the verifier's)
     positive = {"batch_size": cfg.batch_size, "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
                 "beta": cfg.beta}
     for name, value in positive.items():

@@ -423,6 +423,12 @@ def train(cfg: RMConfig, run: RunDir | None = None, given: Given = NOTHING) -> R
         if getattr(cfg, field) < least:
             raise UserInputError(f"{field} must be >= {least}, not {getattr(cfg, field)}", f"rm config, --{field}",
                                  f"use {least} or more")
+    if cfg.gradient_accumulation_steps != 1:  # OptimFields' field, which this trainer never read: refused, not ignored
+        raise UserInputError(f"rlhflab rm has no gradient accumulation (gradient_accumulation_steps "
+                             f"{cfg.gradient_accumulation_steps})", "--gradient_accumulation_steps",
+                             "leave it at 1: each step scores its pairs in --length_chunks forward passes over "
+                             "length-sorted pairs with --shared_prefix false (the same gradient, less memory), or "
+                             "lower --batch_size")
     if not 0.0 <= cfg.average_weights <= 1.0:
         raise UserInputError(f"average_weights must be a fraction of the steps in [0, 1], not {cfg.average_weights}",
                              "--average_weights", "use e.g. 0.4 (the last 40 % of the steps) or 0 (off)")

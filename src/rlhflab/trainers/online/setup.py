@@ -32,6 +32,7 @@ def check_online_config(cfg: OnlineFields, epochs: int = 1, group: int = 1) -> N
     check_backend(cfg)
     check_probe_fields(cfg)
     check_sampler_correction(cfg)
+    call_limits(cfg)  # a negative --reward_timeout, refused before anything loads (reward functions or not)
     positive = {"batch_size": cfg.batch_size, "num_mini_batches": cfg.num_mini_batches,
                 "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
                 "response_length": cfg.response_length, "temperature": cfg.temperature}
