@@ -1,8 +1,8 @@
 """The online methods in 2 processes (torchrun, gloo on CPU) against 1 process at the same global batch.
 
 One torchrun launch trains GRPO and PPO under DDP and FSDP2, RLOO under DDP, GRPO with --async_generation
-(2 trainer processes, rank 0's generator process: 3 processes) and GRPO with --dynamic_sampling (tests/parallel/online_ranks_driver.py); the same
-configs run here in one process. Checked: the weights after 3 updates
+(2 trainer processes, rank 0's generator process: 3 processes) and GRPO with --dynamic_sampling
+(tests/parallel/online_ranks_driver.py); the same configs run here in one process. Checked: the weights after 3 updates
 (max abs difference <= 1e-5, float32), metrics.jsonl (timing fields aside), that rank 0 alone wrote the
 one run folder, checkpoints recording their layout (FSDP2: shards); then a PPO FSDP2 job killed with SIGKILL
 after a checkpoint and resumed equals the uninterrupted run, its checkpoint is refused by 1 process with
@@ -51,10 +51,10 @@ RUNS = {  # name -> (stage, strategy, the stage's own arguments)
     # rank 0's generator process samples every rollout with weights one update old (rollout/async_generator.py)
     "grpo-ddp-async": ("grpo", "ddp", ["--num_generations", "4", "--learning_rate", "1e-2", "--async_generation",
                                        "true", "--max_staleness", "1"]),
-}
     # all-equal groups dropped and refilled: every rank holds the whole scored batch, so all take the same decisions
     "grpo-ddp-dynamic": ("grpo", "ddp", ["--num_generations", "4", "--learning_rate", "1e-2", "--dynamic_sampling",
                                          "true", "--max_refill_rounds", "2"]),
+}
 ASYNC_CLOCKS = ("async/wait_s", "async/generator_s")  # the generator's and the wait's seconds
 # one update of one minibatch (2 micro-batches a rank) under bf16 autocast, in the same launch: the first step's
 # ratio is exactly 1 and KL exactly 0 whatever the world size (DESIGN.md); name -> (RUNS entry, extra flags)

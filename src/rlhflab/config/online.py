@@ -74,6 +74,13 @@ class OnlineFields(ParallelFields, MonitorFields, CheckpointFields, RunFields, M
                "max_refill_rounds extra rounds were generated (then it is filled with the earliest dropped groups)")
     max_refill_rounds: int = arg(3, "dynamic_sampling: extra generation rounds (of batch_size answers each) at most "
                                     "per update")
+    filter_prompts: Literal["none", "pass_rate"] = arg(
+        "none", "before RL, answer every train prompt filter_samples times with the starting policy at the rollout "
+                "temperature and drop the prompts whose verified pass rate is <= filter_low or >= filter_high "
+                "(never / always solved: all-equal groups); the probe's answers are counted in summary.json")
+    filter_samples: int = arg(8, "filter_prompts: answers sampled per train prompt")
+    filter_low: float = arg(0.0, "filter_prompts: drop prompts whose pass rate is at or below this")
+    filter_high: float = arg(1.0, "filter_prompts: drop prompts whose pass rate is at or above this")
     # evaluation during the run
     eval_every: int = arg(10, "validation pass rate every N updates; 0 = start and end only")
     eval_prompts: int = arg(100, "validation prompts used for the pass rate")
@@ -91,13 +98,6 @@ class OnlineFields(ParallelFields, MonitorFields, CheckpointFields, RunFields, M
     learning_rate: float = arg(1e-4, "peak AdamW learning rate")
     adam_eps: float = arg(1e-5, "AdamW epsilon")
     warmup_steps: int = arg(0, "linear warmup in optimiser steps")
-    filter_prompts: Literal["none", "pass_rate"] = arg(
-        "none", "before RL, answer every train prompt filter_samples times with the starting policy at the rollout "
-                "temperature and drop the prompts whose verified pass rate is <= filter_low or >= filter_high "
-                "(never / always solved: all-equal groups); the probe's answers are counted in summary.json")
-    filter_samples: int = arg(8, "filter_prompts: answers sampled per train prompt")
-    filter_low: float = arg(0.0, "filter_prompts: drop prompts whose pass rate is at or below this")
-    filter_high: float = arg(1.0, "filter_prompts: drop prompts whose pass rate is at or above this")
     lr_schedule: Literal["cosine", "linear", "constant"] = arg("linear", "decay after warmup")
 
 
