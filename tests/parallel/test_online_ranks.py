@@ -197,13 +197,13 @@ def test_two_trainer_processes_train_on_rollouts_of_one_generator_at_most_one_up
     assert all(0 < r["sampler/is_weight_mean"] <= 3 for r in rows[1:])  # token_truncate weights (cap 3) applied
 
 
-@pytest.mark.parametrize("name", list(FIRST_STEP_BF16))
 def test_two_processes_refill_dynamic_sampling_batches_alike(two_processes):
     work, _ = two_processes
     rows = [r for r in metrics(work / "grpo-ddp-dynamic") if "dynamic/generated" in r]
     assert len(rows) == 3 and any(r["dynamic/refill_rounds"] > 0 for r in rows)  # refilled, in step, no hang
 
 
+@pytest.mark.parametrize("name", list(FIRST_STEP_BF16))
 def test_the_first_step_under_bf16_in_two_processes_has_ratio_exactly_one_and_kl_exactly_zero(setup, two_processes,
                                                                                                name):
     run = setup[0] / "bf16" / name
