@@ -62,3 +62,30 @@ def test_under_torchrun_the_same_signal_twice_within_seconds_is_one_notice(monke
     stop._first_at += REPEAT_WINDOW_S
     monkeypatch.delenv("TORCHELASTIC_RUN_ID")
     assert not stop._same_notice(signal.SIGTERM)  # and any repeat in a process no launcher started
+
+
+def test_under_torchrun_the_launcher_s_late_copy_after_the_stop_is_dropped_and_a_later_signal_acts_again(monkeypatch):
+    """The ranks may finish the step and leave the loop before torchrun's forwarded copy arrives: it must not
+    kill a rank that is closing after its checkpoint (exit -15 instead of 143)."""
+    import os
+    import time
+
+    from rlhflab.checkpoint.signals import REPEAT_WINDOW_S, StopSignals
+
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+    caught = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: caught.append(signum))
+    try:
+        with StopSignals() as stop:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGTERM)  # the late copy: dropped
+        time.sleep(0.01)
+        assert caught == []
+        stop._first_at -= REPEAT_WINDOW_S
+        os.kill(os.getpid(), signal.SIGTERM)  # later: the handler from before the run gets it
+        time.sleep(0.01)
+        assert caught == [signal.SIGTERM]
+        assert signal.getsignal(signal.SIGTERM) != stop._late_copy
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -5,7 +5,8 @@ One torchrun launch trains GRPO and PPO under DDP and FSDP2, RLOO under DDP, GRP
 (tests/parallel/online_ranks_driver.py); the same configs run here in one process. Checked: the weights after 3 updates
 (max abs difference <= 1e-5, float32), metrics.jsonl (timing fields aside), that rank 0 alone wrote the
 one run folder, checkpoints recording their layout (FSDP2: shards); then a PPO FSDP2 job killed with SIGKILL
-after a checkpoint and resumed equals the uninterrupted run, its checkpoint is refused by 1 process with
+and a PPO DDP job sent SIGTERM as a scheduler sends it (every process at once) after a checkpoint, both resumed
+in one launch, equal the uninterrupted runs (the SIGTERM one bit for bit), its checkpoint is refused by 1 process with
 the reason, a DDP checkpoint continues in 1 process, and an exception on rank 1 ends rank 0 within seconds.
 """
 
@@ -239,23 +240,43 @@ def test_rank_0_alone_writes_one_run_folder_and_checkpoints_record_their_layout(
         assert (weights == {}) == (strategy == "fsdp2")  # FSDP2: weights and moments are in the shards
 
 
-def test_sigkill_after_a_checkpoint_then_resume_equals_the_uninterrupted_run(setup, two_processes, tmp_path):
-    root, policy_dir, reward = setup
-    work, _ = two_processes
-    out = tmp_path / "ppo-fsdp2"
-    args = run_args("ppo-fsdp2", policy_dir, reward, out)
-    proc = launch(tmp_path, "-m", "rlhflab", *args)
-    marker = out / "checkpoints" / "step-1" / MARKER
+def started(cwd: Path, args: list[str], marker: Path) -> subprocess.Popen:
+    """`rlhflab ARGS` under torchrun, once `marker` exists."""
+    proc = launch(cwd, "-m", "rlhflab", *args)
     deadline = time.time() + 240
     while not marker.exists():
         assert proc.poll() is None, proc.communicate()[1][-3000:]
         assert time.time() < deadline
         time.sleep(0.01)
-    for pid in [proc.pid, *descendants(proc.pid)]:  # the whole job: torchrun and both ranks (own sessions)
-        os.kill(pid, signal.SIGKILL)
-    proc.communicate(timeout=60)
-    assert not (out / "summary.json").exists()  # it died mid-run
-    finished(launch(tmp_path, "-m", "rlhflab", *args, "--resume", "latest"))
+    return proc
+
+
+@pytest.fixture(scope="module")
+def stopped_then_resumed(setup, tmp_path_factory):
+    """PPO under FSDP2 killed (SIGKILL to torchrun and both ranks) after its update-1 checkpoint; PPO under DDP
+    sent SIGTERM as a scheduler sends it (Slurm: every process of the job at once, so each rank gets it twice,
+    directly and through torchrun) after the same checkpoint; then one launch resumes both (--resume latest)."""
+    root, policy_dir, reward = setup
+    tmp = tmp_path_factory.mktemp("stopped")
+    out = {"killed": tmp / "ppo-fsdp2", "terminated": tmp / "ppo-ddp", "cwd": tmp}
+    args = {"killed": run_args("ppo-fsdp2", policy_dir, reward, out["killed"]),
+            "terminated": run_args("ppo-ddp", policy_dir, reward, out["terminated"])}
+    for name, signum in (("killed", signal.SIGKILL), ("terminated", signal.SIGTERM)):
+        proc = started(tmp, args[name], out[name] / "checkpoints" / "step-1" / MARKER)
+        for pid in [proc.pid, *descendants(proc.pid)]:  # the whole job: torchrun and both ranks (own sessions)
+            os.kill(pid, signum)
+        out[f"{name}_err"] = proc.communicate(timeout=60)[1]
+        out[f"{name}_ended"] = not (out[name] / "summary.json").exists()  # it stopped mid-run
+    finished(launch(tmp, str(DRIVER), *(json.dumps([*a, "--resume", "latest"]) for a in args.values())))
+    return out
+
+
+def test_sigkill_after_a_checkpoint_then_resume_equals_the_uninterrupted_run(setup, two_processes,
+                                                                            stopped_then_resumed, tmp_path):
+    root, policy_dir, reward = setup
+    work, _ = two_processes
+    out = stopped_then_resumed["killed"]
+    assert stopped_then_resumed["killed_ended"]
     assert max_weight_difference(work / "ppo-fsdp2", out) <= 1e-6
     assert_same_metrics(work / "ppo-fsdp2", out)
     resumes = json.loads((out / "summary.json").read_text())["resumes"]
@@ -266,6 +287,24 @@ def test_sigkill_after_a_checkpoint_then_resume_equals_the_uninterrupted_run(set
     shutil.copytree(work / "ppo-fsdp2", copy)
     with pytest.raises(UserInputError, match="nproc_per_node 2"):
         train_here([*run_args("ppo-fsdp2", policy_dir, reward, copy), "--resume", str(copy / "checkpoints/step-2")])
+
+
+def test_sigterm_to_every_process_of_the_job_stops_both_ppo_ranks_at_one_step_and_resume_is_exact(
+        two_processes, stopped_then_resumed):
+    work, _ = two_processes
+    err, out = stopped_then_resumed["terminated_err"], stopped_then_resumed["terminated"]
+    lines = [line for line in err.splitlines() if line.startswith("rlhflab[rank ") and "interrupted: SIGTERM" in line]
+    assert len(lines) == 2, err[-3000:]  # each rank finished the step, wrote its part and exited 143
+    steps = {line.split("SIGTERM after step ")[1].split(":")[0] for line in lines}
+    assert len(steps) == 1, lines  # the same step on both ranks
+    print(f"\nPPO, 2 processes: SIGTERM to torchrun and both ranks after update 1; both stopped after update "
+          f"{steps.pop()}")
+    # each rank got it twice, directly and from torchrun (unless the two came together): never 'quit at once'
+    assert "second SIGTERM" not in err and "exitcode" not in err  # no rank ended otherwise than by its own 143
+    assert stopped_then_resumed["terminated_ended"]
+    assert max_weight_difference(work / "ppo-ddp", out) == 0.0  # policy and value, bit for bit
+    assert_same_metrics(work / "ppo-ddp", out)
+    assert len(json.loads((out / "summary.json").read_text())["resumes"]) == 1
 
 
 def test_a_ddp_checkpoint_continues_in_one_process(setup, two_processes, tmp_path):

@@ -9,7 +9,8 @@ Exit codes (docs/reading-a-run.md "Checkpoints and resume"; the CLI returns them
 Under torchrun / accelerate launch (TORCHELASTIC_RUN_ID set) the same signal again within REPEAT_WINDOW_S
 of the first is the same notice delivered twice, not a request to quit at once: a scheduler that signals
 every process of the job (Slurm's preemption and scancel do) reaches each rank directly and once more through
-torchrun, which forwards what it receives to every worker (docs/scaling-out.md "Pre-emption").
+torchrun, which forwards what it receives to every worker (docs/scaling-out.md "Pre-emption and a rank
+that dies").
 """
 
 from __future__ import annotations
@@ -49,9 +50,18 @@ class StopSignals:
         return self
 
     def __exit__(self, *exc) -> None:
+        # stopping after the checkpoint under a launcher: its copy of the notice may still be on its way
+        late = self.requested if self.requested is not None and self._same_notice(self.requested) else None
         for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
-        self._previous.clear()
+            signal.signal(signum, self._late_copy if signum == late else handler)
+        self._previous = {late: self._previous[late]} if late in self._previous else {}
+
+    def _late_copy(self, signum: int, frame) -> None:
+        """After the stop: a repeat within the window is dropped; anything later acts as it did before."""
+        if self._same_notice(signum):
+            return
+        signal.signal(signum, self._previous.pop(signum, signal.SIG_DFL))
+        os.kill(os.getpid(), signum)
 
     def _handle(self, signum: int, frame) -> None:
         if self.requested is not None and self._same_notice(signum):

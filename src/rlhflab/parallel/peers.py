@@ -31,6 +31,8 @@ WAIT_FOR_EXIT_S = 1.0  # a peer still exiting (its sockets closed first) becomes
 
 def record_peers() -> None:
     """Every rank's (host, pid), gathered once after the process group is joined (one small collective)."""
+    if len(_PEERS) == dist.get_world_size():
+        return
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, (socket.gethostname(), os.getpid()))
     _PEERS[:] = [tuple(p) for p in everyone]
@@ -66,6 +68,8 @@ def ended_peers(rank: int, size: int) -> str:
         if ended or time.monotonic() > deadline:
             break
         time.sleep(0.02)  # a peer that closed its sockets is still exiting
+    if not _PEERS:
+        return f"a peer of rank {rank} of {size} ended or became unreachable (the launcher's summary names it)"
     if ended:
         return "; ".join(f"rank {r} of {size} (pid {local[r]} on this host) {how}" for r, how in sorted(ended.items()))
     elsewhere = sorted({h for r, (h, _) in enumerate(_PEERS) if h != host})

@@ -164,11 +164,11 @@ def init_world(device: str = "auto") -> World:
     backend = "nccl" if where.type == "cuda" else "gloo"
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=COLLECTIVE_TIMEOUT)
-        record_peers()  # so that a rank whose peer dies can name it (peers.py)
         log.info("process group: rank %d of %d (%s, %s)", rank, size, backend, where)
     elif dist.get_world_size() != size:
         raise UserInputError(f"a process group of {dist.get_world_size()} exists, the launcher says {size}",
                              "WORLD_SIZE", "launch with torchrun / accelerate launch only")
+    record_peers()  # once: so that a rank whose peer dies can name it (peers.py)
     return World(rank, size, local_rank, local_size, where, dist.get_backend())
 
 
