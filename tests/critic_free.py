@@ -65,7 +65,8 @@ def hand_batch(scores, valid, lengths, kl_rows, group: int, width: int = 3) -> S
     mask = response_mask & valid.unsqueeze(1)
     kl = torch.where(mask, torch.tensor(kl_rows), torch.zeros(()))
     entropy = torch.where(response_mask, torch.full(response_mask.shape, 2.0), torch.zeros(()))
-    rollout = SimpleNamespace(response_mask=response_mask, entropy=entropy)
+    rollout = SimpleNamespace(response_mask=response_mask, entropy=entropy,
+                              ended_with_eos=torch.ones(len(lengths), dtype=torch.bool))
     return ScoredRollout(rollout, torch.tensor(scores), valid, mask, kl, group)
 
 

@@ -102,6 +102,14 @@ def test_mode_collapse_against_the_start(name, start, end, percent):
     assert alarm["step"] == 20 and name in alarm["reason"] and f"({percent} of its start" in alarm["reason"]
 
 
+def test_mode_collapse_names_the_entropy_controls_as_its_remedy():
+    for name, start, end in (("objective/entropy", 0.6, 0.09), ("response/distinct_2", 0.5, 0.2)):
+        alarm = only(feed(40, lambda step: {name: start if step < 16 else end}), "mode_collapse")
+        assert "--entropy_coef" in alarm["reason"] and "--use_adaptive_entropy" in alarm["reason"]
+    alarm = only(feed(20, lambda step: {"response/duplicate_share_batch": 0.8}), "mode_collapse")
+    assert "--top_entropy_quantile" in alarm["reason"]
+
+
 def test_mode_collapse_duplicates_judged_only_when_logged():
     alarm = only(feed(20, lambda step: {"response/duplicate_share_batch": 0.8}), "mode_collapse")
     assert alarm["step"] == 7 and "response/duplicate_share_batch is 80%" in alarm["reason"]

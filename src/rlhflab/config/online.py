@@ -11,9 +11,26 @@ from rlhflab.config.fields import (CheckpointFields, GenerationBackendFields, Ge
 
 
 @dataclass(frozen=True)
+class LengthShapingFields:
+    """What a response that runs long costs (docs/grpo-rloo-reinforce.md "Long responses"): every online method."""
+
+    mask_truncated_completions: bool = arg(
+        False, "leave the responses that hit response_length without EOS out of the loss (TRL's name; DAPO's "
+               "overlong filtering): no gradient of their own, not in the loss's token or response counts; their "
+               "scores stay in their group's baseline and the update's statistics (TRL does the same), so their "
+               "siblings' advantages are the ones without masking; counted in completions/masked_truncated. Not "
+               "for online DPO")
+    overlong_buffer_len: int = arg(
+        0, "DAPO's soft overlong punishment: a response longer than response_length - overlong_buffer_len tokens "
+           "(EOS included) loses overlong_penalty_factor x (length - (response_length - overlong_buffer_len)) / "
+           "overlong_buffer_len from its score, on top of missing_eos_penalty when it has no EOS; 0 = off")
+    overlong_penalty_factor: float = arg(1.0, "the overlong penalty at response_length (DAPO's 1.0)")
+
+
+@dataclass(frozen=True)
 class OnlineFields(ParallelFields, MonitorFields, CheckpointFields, RunFields, ModelFields, SuiteFields,
                    PromptFileFields, RewardFunctionFields, LoraFields, OptimFields, PrecisionFields,
-                   GenerationBackendFields, GenerationFields):
+                   GenerationBackendFields, GenerationFields, LengthShapingFields):
     """What every online method (PPO, GRPO, RLOO, REINFORCE, online DPO) shares: the roles, the reward,
     the rollout cycle, evaluation during the run (trainers/online/loop.py)."""
 
@@ -102,7 +119,32 @@ class OnlineFields(ParallelFields, MonitorFields, CheckpointFields, RunFields, M
 
 
 @dataclass(frozen=True)
-class PPOConfig(OnlineFields):
+class EntropyFields:
+    """The policy's entropy in the loss (TRL's GRPO names): PPO, GRPO, RLOO, REINFORCE."""
+
+    entropy_coef: float = arg(
+        0.0, "entropy bonus: the loss less entropy_coef x the mean token entropy of the policy over the step's "
+             "trained tokens, the same meaning for every loss_type (TRL's name); with use_adaptive_entropy its "
+             "starting value; 0 = off")
+    use_adaptive_entropy: bool = arg(
+        False, "Skywork-OR1's adaptive entropy control (TRL's name): at each update the coefficient goes up by "
+               "entropy_coef_delta when the rollout's mean token entropy is at or below entropy_target, down "
+               "otherwise, within [entropy_coef_min, entropy_coef_max]; the bonus applies only at or below the target")
+    entropy_target: float = arg(
+        0.2, "use_adaptive_entropy: the mean token entropy (nats) to hold, over the tokens the policy loss trains "
+             "(the top_entropy_quantile ones when set); set it near the start's `entropy` metric",
+        aliases=["--target_entropy"])
+    entropy_coef_delta: float = arg(0.005, "use_adaptive_entropy: the coefficient's step per update")
+    entropy_coef_min: float = arg(0.0, "use_adaptive_entropy: lower bound of the coefficient")
+    entropy_coef_max: float = arg(1.0, "use_adaptive_entropy: upper bound of the coefficient")
+    top_entropy_quantile: float = arg(
+        1.0, "rho of Beyond the 80/20 Rule (TRL's name): the policy-gradient term (and the entropy bonus) only on "
+             "the update's tokens whose entropy is in its top rho share (the rollout's entropies, over the tokens "
+             "the loss trains); 1.0 = every token, 0.0 = the highest-entropy one only; the paper uses 0.2")
+
+
+@dataclass(frozen=True)
+class PPOConfig(EntropyFields, OnlineFields):
     """`rlhflab ppo`: PPO-RLHF with policy, reference, reward and value roles."""
 
     value_mode: Literal["shared", "separate", "lora_adapter"] = arg(
@@ -147,7 +189,7 @@ class GroupFields:
 
 
 @dataclass(frozen=True)
-class GRPOConfig(GroupFields, OnlineFields):
+class GRPOConfig(EntropyFields, GroupFields, OnlineFields):
     """`rlhflab grpo`: group-relative policy optimisation, no critic (Shao et al. 2024), with TRL's variants."""
 
     beta: float = arg(0.04, "KL coefficient to the reference: a k3 loss term, or with kl_in_reward a penalty in the reward")
@@ -162,7 +204,7 @@ class GRPOConfig(GroupFields, OnlineFields):
 
 
 @dataclass(frozen=True)
-class RLOOConfig(GroupFields, OnlineFields):
+class RLOOConfig(EntropyFields, GroupFields, OnlineFields):
     """`rlhflab rloo`: REINFORCE leave-one-out with k samples per prompt (Ahmadian et al. 2024)."""
 
     num_iterations: int = arg(2, "passes over each rollout (FACTS.md: 2 worked on the suite)")
@@ -171,7 +213,7 @@ class RLOOConfig(GroupFields, OnlineFields):
 
 
 @dataclass(frozen=True)
-class REINFORCEConfig(OnlineFields):
+class REINFORCEConfig(EntropyFields, OnlineFields):
     """`rlhflab reinforce`: the policy gradient with a baseline (Williams 1992), no critic, no clipping."""
 
     baseline: Literal["batch_mean", "moving_average", "leave_one_out"] = arg(

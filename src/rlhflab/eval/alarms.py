@@ -179,8 +179,13 @@ def length_drift(h: History, r: AlarmRules) -> list[Condition]:
     return out
 
 
+# what answers a collapse (issue 37): the entropy controls of PPO, GRPO, RLOO, REINFORCE (docs/grpo-rloo-reinforce.md)
+COLLAPSE_REMEDY = ("answer it with an entropy bonus (--entropy_coef, e.g. 0.001), adaptive entropy control "
+                   "(--use_adaptive_entropy --entropy_target near the start's entropy) or --top_entropy_quantile 0.2")
+
+
 def mode_collapse(h: History, r: AlarmRules) -> list[Condition]:
-    """Distinct bigrams or entropy far below their start; many duplicate responses."""
+    """Distinct bigrams or entropy far below their start; many duplicate responses. Each reason names the remedy."""
     out = []
     for name, key, ratio in (("response/distinct_2", "distinct_2", r.min_distinct_ratio),
                              ("objective/entropy", "entropy", r.min_entropy_ratio)):
@@ -189,13 +194,13 @@ def mode_collapse(h: History, r: AlarmRules) -> list[Condition]:
             start, now = pair
             out.append(Condition("mode_collapse", key, now < ratio * start, r.persist,
                                  f"{name} fell {_fmt(start)} -> {_fmt(now)} ({now / start:.0%} of its start, "
-                                 f"medians of {r.window} updates; bound {ratio:.0%})"))
+                                 f"medians of {r.window} updates; bound {ratio:.0%}); {COLLAPSE_REMEDY}"))
     for name in ("response/duplicate_share_batch", "response/duplicate_share"):
         share = recent(h, name, r)
         if share is not None:
             out.append(Condition("mode_collapse", name, share > r.duplicate_share_bound, r.persist,
                                  f"{name} is {share:.0%} (median of its last {r.window} values; bound "
-                                 f"{r.duplicate_share_bound:.0%})"))
+                                 f"{r.duplicate_share_bound:.0%}); {COLLAPSE_REMEDY}"))
     return out
 
 

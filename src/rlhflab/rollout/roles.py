@@ -201,8 +201,10 @@ class PolicyRoles:
         return self.value_head(hidden[:, start:-1])
 
     def logprobs_and_values(self, query_ids, query_mask, response_ids, response_mask, temperature: float,
-                            entropy: bool = False, part: str = "all") -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-        """log pi(a_t|s_t) (B, T) float32, the entropy (B, T) when asked (for logging: no gradient) and values
+                            entropy: bool = False, part: str = "all", entropy_grad: bool = False
+                            ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+        """log pi(a_t|s_t) (B, T) float32, the entropy (B, T) when asked (for logging: no gradient; with
+        `entropy_grad`, for an entropy bonus: with its gradient, from the same log-softmax pass) and values
         (B, T) (None without a critic): one forward of the trained engine under the roles' autocast. The log-probs
         are taken inside that forward and adapter context, so the output layer runs there too (chunk by chunk at
         a large vocabulary: models/token_head.py); what trains is never a (B, T, V) float32 tensor here.
@@ -219,9 +221,10 @@ class PolicyRoles:
                     scores, values = self.policy_forward(query_ids, query_mask, response_ids, response_mask)
                 else:
                     scores, values = self._logits_and_values(query_ids, query_mask, response_ids, response_mask)
-                if entropy:
-                    logprobs, entropies = models.token_logprobs_and_entropy(scores, response_ids, temperature)
-                    return logprobs, entropies.detach(), values
+                if entropy or entropy_grad:
+                    logprobs, entropies = models.token_logprobs_and_entropy(scores, response_ids, temperature,
+                                                                            entropy_grad=entropy_grad)
+                    return logprobs, entropies if entropy_grad else entropies.detach(), values
                 return models.token_logprobs(scores, response_ids, temperature), None, values
 
         with self.precision.autocast():

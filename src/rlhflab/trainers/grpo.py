@@ -22,6 +22,7 @@ from rlhflab.trainers.given import NOTHING, Given
 from rlhflab.trainers.online.algorithm import Advantages, AlgorithmDefaults, ScoredRollout, StepShare
 from rlhflab.trainers.online.clipped import (STEP_NAMES, ClipSettings, check_group, clipped_policy_loss,
                                              group_metrics, sequence_advantages)
+from rlhflab.trainers.online.controls import EntropyControl
 from rlhflab.trainers.online.loop import train_online
 from rlhflab.trainers.online.monitor import Monitor
 from rlhflab.trainers.online.setup import check_online_config
@@ -39,6 +40,8 @@ class GRPO(AlgorithmDefaults):
         self.cfg = cfg
         self.samples_per_prompt = cfg.num_generations
         self.epochs = cfg.num_iterations
+        self.entropy = EntropyControl(cfg)  # --entropy_coef, --use_adaptive_entropy, --top_entropy_quantile
+        self.entropy_in_loss = self.entropy.in_loss
         ratio = "token" if cfg.importance_sampling_level == "token" else "sequence_mean"
         self.settings = ClipSettings(cfg.epsilon, cfg.epsilon_high or cfg.epsilon, ratio, cfg.loss_type,
                                      0.0 if cfg.kl_in_reward else cfg.beta)
@@ -51,11 +54,18 @@ class GRPO(AlgorithmDefaults):
         rewards = self.rewards(batch)
         scored = torch.where(batch.valid, rewards, torch.full_like(rewards, float("nan")))
         per_response = grpo_advantages(scored, batch.group_size, scale=self.cfg.scale_rewards)
-        return Advantages(sequence_advantages(per_response, batch.mask), None, group_metrics(batch, rewards))
+        metrics = group_metrics(batch, rewards, self.cfg.mask_truncated_completions)
+        return self.entropy.prepare(batch, Advantages(sequence_advantages(per_response, batch.mask), None, metrics))
 
     def loss(self, logprobs: Tensor, values, batch: ScoredRollout, adv: Advantages, idx: Tensor,
-             share: StepShare) -> tuple[Tensor, dict]:
-        return clipped_policy_loss(logprobs, batch, adv, idx, share, self.settings)
+             share: StepShare, entropy: Tensor | None = None) -> tuple[Tensor, dict]:
+        return clipped_policy_loss(logprobs, batch, adv, idx, share, self.settings, self.entropy, entropy)
+
+    def state_dict(self) -> dict:
+        return self.entropy.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.entropy.load_state_dict(state)
 
 
 def check_config(cfg: GRPOConfig) -> None:

@@ -66,6 +66,10 @@ class OnlineDPO(AlgorithmDefaults):
             raise UserInputError("online DPO's pairwise loss has no per-token policy-gradient term for "
                                  f"--sampler_correction {cfg.sampler_correction} to weight", "--sampler_correction",
                                  "leave it at none (the sampler/* metrics still show the mismatch)")
+        if cfg.mask_truncated_completions:  # a masked answer would leave its pair with one side of no tokens
+            raise UserInputError("online DPO trains on pairs of whole answers: --mask_truncated_completions would "
+                                 "leave a pair with an empty side", "--mask_truncated_completions",
+                                 "use --missing_eos_penalty or --overlong_buffer_len, which rank a cut answer lower")
         if cfg.num_generations < 2:
             raise UserInputError(f"num_generations must be >= 2 to make a pair, got {cfg.num_generations}",
                                  "--num_generations", "e.g. --num_generations 4")

@@ -27,6 +27,7 @@ from rlhflab.tracking import RunDir, RunResult
 from rlhflab.trainers.given import NOTHING, Given
 from rlhflab.trainers.online.algorithm import (Advantages, AlgorithmDefaults, ScoredRollout, StepPart, StepShare,
                                                weighted_advantages)
+from rlhflab.trainers.online.controls import EntropyControl, truncation_metrics
 from rlhflab.trainers.online.loop import train_online
 from rlhflab.trainers.online.monitor import Monitor
 from rlhflab.trainers.online.setup import check_online_config
@@ -84,6 +85,8 @@ class PPO(AlgorithmDefaults):
         self.cfg = cfg
         self.epochs = cfg.num_ppo_epochs
         self.kl_ctl = kl_controller(cfg)
+        self.entropy = EntropyControl(cfg)  # --entropy_coef (classic PPO's c2 S), adaptive, --top_entropy_quantile
+        self.entropy_in_loss = self.entropy.in_loss
         self.updates = 0  # rollouts trained on so far: the first value_warmup_rollouts train the critic alone
 
     def param_groups(self, roles) -> list[dict]:
@@ -119,17 +122,22 @@ class PPO(AlgorithmDefaults):
             "objective/rlhf_reward": (scores + non_score_seq)[valid].mean().item(),
             "val/explained_variance": core.explained_variance(rollout.values, returns, mask).item(),
             "kl_coef": self.kl_ctl.value,
+            **({"completions/masked_truncated": truncation_metrics(batch, True)["completions/masked_truncated"]}
+               if cfg.mask_truncated_completions else {}),
         }
-        return Advantages(advantages, returns, metrics)
+        return self.entropy.prepare(batch, Advantages(advantages, returns, metrics))
 
     def loss(self, logprobs: Tensor | None, values: Tensor | None, batch: ScoredRollout, adv: Advantages,
-             idx: Tensor, share: StepShare, part: StepPart = "all") -> tuple[Tensor, dict]:
+             idx: Tensor, share: StepShare, part: StepPart = "all", entropy: Tensor | None = None
+             ) -> tuple[Tensor, dict]:
         """The clipped surrogate + vf_coef x the clipped value loss (`part` "all"), or one of them ("policy":
-        `values` may be None; "value": `logprobs` may be None), a token mean over the minibatch."""
+        `values` may be None; "value": `logprobs` may be None), a token mean over the minibatch; less
+        entropy_coef x the policy's mean token entropy (`entropy`, with its gradient) when the bonus is on."""
         cfg, rollout = self.cfg, batch.rollout
         mask = batch.mask[idx]
         weight = mask.sum().item() / share.tokens  # token mean over the minibatch
         loss, stats = torch.zeros((), device=mask.device), {}
+        bonus = torch.zeros((), device=mask.device)
         if part != "value":
             pg_loss, pg_stats = ppo_policy_loss(logprobs, rollout.logprobs[idx], weighted_advantages(batch, adv, idx),
                                                 mask, cfg.cliprange)
@@ -137,13 +145,16 @@ class PPO(AlgorithmDefaults):
             stats.update({"loss/policy": pg_loss.detach(), **{f"policy/{k}": v for k, v in pg_stats.items()},
                           "ratio_var": masked_var_of(ratio, mask)})
             # a critic warm-up rollout: the policy's loss is off, its weights see only the value loss's gradient
-            loss = (0.0 if self.updates < cfg.value_warmup_rollouts else 1.0) * pg_loss
+            policy_on = self.updates >= cfg.value_warmup_rollouts
+            loss = (1.0 if policy_on else 0.0) * pg_loss
+            if policy_on:  # the bonus is a token mean over the step already: outside the `weight` below
+                bonus = self.entropy.bonus(entropy, batch, adv, idx, share)
         if part != "policy":
             vf_loss, vf_stats = clipped_value_loss(values, rollout.values[idx], adv.returns[idx], mask,
                                                    cfg.cliprange_value)
             stats.update({"loss/value": vf_loss.detach(), "val/clipfrac": vf_stats["clipfrac"]})
             loss = loss + cfg.vf_coef * vf_loss
-        return loss * weight, stats
+        return loss * weight + bonus, stats
 
     def after_update(self, batch: ScoredRollout) -> None:
         kl = self._penalty
@@ -151,11 +162,12 @@ class PPO(AlgorithmDefaults):
         self.updates += 1
 
     def state_dict(self) -> dict:
-        return {"kl_controller": self.kl_ctl.state_dict(), "updates": self.updates}
+        return {"kl_controller": self.kl_ctl.state_dict(), "updates": self.updates, **self.entropy.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self.kl_ctl.load_state_dict(state["kl_controller"])
         self.updates = state.get("updates", 0)  # checkpoints written before the warm-up existed
+        self.entropy.load_state_dict(state)
 
 
 def check_value_step(cfg: PPOConfig) -> None:

@@ -22,6 +22,7 @@ from rlhflab.tracking import RunDir, RunResult
 from rlhflab.trainers.given import NOTHING, Given
 from rlhflab.trainers.online.algorithm import (Advantages, AlgorithmDefaults, ScoredRollout, StepShare,
                                                weighted_advantages)
+from rlhflab.trainers.online.controls import EntropyControl, truncation_metrics
 from rlhflab.trainers.online.loop import train_online
 from rlhflab.trainers.online.monitor import Monitor
 from rlhflab.trainers.online.setup import check_online_config
@@ -47,6 +48,8 @@ class REINFORCE(AlgorithmDefaults):
         self.samples_per_prompt = cfg.num_generations
         self.group_relative = cfg.baseline == "leave_one_out"  # the other baselines are the batch's or the past's
         self.moving = MovingAverageBaseline(cfg.baseline_decay)
+        self.entropy = EntropyControl(cfg)  # --entropy_coef, --use_adaptive_entropy, --top_entropy_quantile
+        self.entropy_in_loss = self.entropy.in_loss
 
     def baselines(self, returns: Tensor, valid: Tensor, group_size: int) -> Tensor:
         """(B,) one baseline per response from the (B,) sequence returns."""
@@ -72,23 +75,26 @@ class REINFORCE(AlgorithmDefaults):
         # rollout: grpo_trainer.py:2828-2829); the return the baseline sees, score - kl_coef x KL, is TRL's PPO name
         metrics = {"reward": scores.mean().item(), "reward_std": scores.std().item() if scores.numel() > 1 else 0.0,
                    "objective/rlhf_reward": returns[batch.valid].mean().item(),
-                   "baseline": baseline[batch.valid].mean().item()}
-        return Advantages(advantages, None, metrics)
+                   "baseline": baseline[batch.valid].mean().item(),
+                   **truncation_metrics(batch, self.cfg.mask_truncated_completions)}
+        return self.entropy.prepare(batch, Advantages(advantages, None, metrics))
 
     def loss(self, logprobs: Tensor, values, batch: ScoredRollout, adv: Advantages, idx: Tensor,
-             share: StepShare) -> tuple[Tensor, dict]:
+             share: StepShare, entropy: Tensor | None = None) -> tuple[Tensor, dict]:
         mask = batch.mask[idx]
         ratio = torch.exp(torch.where(mask, logprobs - batch.rollout.logprobs[idx], torch.zeros_like(logprobs)))
-        per_token = -weighted_advantages(batch, adv, idx) * ratio
+        per_token = -weighted_advantages(batch, adv, idx) * ratio  # 0 outside a --top_entropy_quantile mask
         loss = torch.where(mask, per_token, torch.zeros_like(per_token)).sum() / share.tokens
+        loss = loss + self.entropy.bonus(entropy, batch, adv, idx, share)
         stats = {"loss": loss.detach() * share.rows / len(idx), "ratio_mean": masked_mean(ratio.detach(), mask)}
         return loss, stats
 
     def state_dict(self) -> dict:
-        return {"moving_baseline": self.moving.state_dict()}
+        return {"moving_baseline": self.moving.state_dict(), **self.entropy.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self.moving.load_state_dict(state["moving_baseline"])
+        self.entropy.load_state_dict(state)
 
 
 def check_config(cfg: REINFORCEConfig) -> None:

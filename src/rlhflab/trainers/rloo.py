@@ -21,6 +21,7 @@ from rlhflab.trainers.given import NOTHING, Given
 from rlhflab.trainers.online.algorithm import Advantages, AlgorithmDefaults, ScoredRollout, StepShare
 from rlhflab.trainers.online.clipped import (STEP_NAMES, ClipSettings, check_group, clipped_policy_loss,
                                              group_metrics, sequence_advantages)
+from rlhflab.trainers.online.controls import EntropyControl
 from rlhflab.trainers.online.loop import train_online
 from rlhflab.trainers.online.monitor import Monitor
 from rlhflab.trainers.online.setup import check_online_config
@@ -38,6 +39,8 @@ class RLOO(AlgorithmDefaults):
         self.cfg = cfg
         self.samples_per_prompt = cfg.num_generations
         self.epochs = cfg.num_iterations
+        self.entropy = EntropyControl(cfg)  # --entropy_coef, --use_adaptive_entropy, --top_entropy_quantile
+        self.entropy_in_loss = self.entropy.in_loss
         self.settings = ClipSettings(cfg.epsilon, cfg.epsilon_high or cfg.epsilon, "sequence_sum", "grpo", 0.0)
 
     def advantages(self, batch: ScoredRollout) -> Advantages:
@@ -48,14 +51,20 @@ class RLOO(AlgorithmDefaults):
             kept = per_response[batch.valid]
             per_response = (per_response - kept.mean()) / (kept.std() + 1e-4) if kept.numel() > 1 else per_response
         kl_per_token = (batch.kl.sum() / batch.mask.sum().clamp(min=1)).item()  # TRL's RLOO "kl"
-        metrics = {**group_metrics(batch, rewards), "kl": kl_per_token}
-        return Advantages(sequence_advantages(per_response, batch.mask), None, metrics)
+        metrics = {**group_metrics(batch, rewards, self.cfg.mask_truncated_completions), "kl": kl_per_token}
+        return self.entropy.prepare(batch, Advantages(sequence_advantages(per_response, batch.mask), None, metrics))
 
     def loss(self, logprobs: Tensor, values, batch: ScoredRollout, adv: Advantages, idx: Tensor,
-             share: StepShare) -> tuple[Tensor, dict]:
-        loss, stats = clipped_policy_loss(logprobs, batch, adv, idx, share, self.settings)
+             share: StepShare, entropy: Tensor | None = None) -> tuple[Tensor, dict]:
+        loss, stats = clipped_policy_loss(logprobs, batch, adv, idx, share, self.settings, self.entropy, entropy)
         stats.pop("kl")  # RLOO's kl is the sequence KL in its reward, logged with the rollout
         return loss, stats
+
+    def state_dict(self) -> dict:
+        return self.entropy.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.entropy.load_state_dict(state)
 
 
 def check_config(cfg: RLOOConfig) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
+import torch
 from torch import Tensor
 
 from rlhflab.rollout.rollout import Rollout
@@ -29,8 +30,10 @@ class ScoredRollout:
     rollout: Rollout
     scores: Tensor  # (B,) reward of each response, missing-EOS penalty included; 0 where not valid
     valid: Tensor  # (B,) bool: the reward scored this row (a row it failed on is out of the update)
-    mask: Tensor  # (B, T) bool: response tokens of valid rows
-    kl: Tensor  # (B, T) log pi_old - log pi_ref (k1) on `mask`, 0 elsewhere
+    # (B, T) bool: response tokens of valid rows; in the update's steps less the truncated responses' with
+    # --mask_truncated_completions (trainers/online/controls.py)
+    mask: Tensor
+    kl: Tensor  # (B, T) log pi_old - log pi_ref (k1) on the valid rows' response tokens, 0 elsewhere
     group_size: int  # responses per prompt, each prompt's group contiguous in the batch
     # (B, T) importance weights on each token's policy-gradient term (core.sampler_correction_weights,
     # --sampler_correction); None = off
@@ -47,6 +50,9 @@ class Advantages:
     advantages: Tensor  # (B, T), 0 outside the mask
     returns: Tensor | None  # (B, T) value targets; None without a critic
     metrics: dict  # this update's numbers under the algorithm's metric names (TRL's where TRL has them)
+    # (B, T) bool: the tokens whose policy-gradient term is kept (--top_entropy_quantile: trainers/online/controls.py);
+    # None = every token of the mask. The KL term and the value loss are not narrowed by it
+    policy_mask: Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -63,10 +69,15 @@ class StepShare:
 
 
 def weighted_advantages(batch: ScoredRollout, adv: Advantages, idx: Tensor) -> Tensor:
-    """Rows `idx` of the advantages, times the --sampler_correction weights when on: a weight w >= 0 scales a
-    token's clipped surrogate term as it scales its advantage (max(-wA r, -wA clip(r)) = w max(-A r, -A clip(r)))."""
+    """Rows `idx` of the advantages, times the --sampler_correction weights when on and 0 outside the
+    --top_entropy_quantile mask: a weight w >= 0 scales a token's clipped surrogate term as it scales its advantage
+    (max(-wA r, -wA clip(r)) = w max(-A r, -A clip(r)))."""
     advantages = adv.advantages[idx]
-    return advantages if batch.sampler_weights is None else advantages * batch.sampler_weights[idx]
+    if batch.sampler_weights is not None:
+        advantages = advantages * batch.sampler_weights[idx]
+    if adv.policy_mask is not None:
+        advantages = torch.where(adv.policy_mask[idx], advantages, torch.zeros((), dtype=advantages.dtype))
+    return advantages
 
 
 class Algorithm(Protocol):
@@ -77,6 +88,7 @@ class Algorithm(Protocol):
     whole_groups: bool  # minibatches and micro-batches hold each prompt's samples together (online DPO's pairs)
     policy_gradient: bool  # its loss has a per-token policy-gradient term (--sampler_correction weights it)
     group_relative: bool  # its advantages compare a prompt's answers with each other (--dynamic_sampling)
+    entropy_in_loss: bool  # its loss reads the policy's entropy with its gradient (--entropy_coef): `loss(entropy=)`
 
     def advantages(self, batch: ScoredRollout) -> Advantages:
         """Advantages (and value targets) of a scored rollout; called once per update, before any step."""
@@ -85,7 +97,8 @@ class Algorithm(Protocol):
     def loss(self, logprobs: Tensor, values: Tensor | None, batch: ScoredRollout, adv: Advantages, idx: Tensor,
              share: StepShare) -> tuple[Tensor, dict]:
         """Loss of micro-batch `idx` (rows of the rollout), already scaled by its share of the step; the
-        `logprobs` (and `values`) are the current policy's on those rows. Stats: detached scalars."""
+        `logprobs` (and `values`) are the current policy's on those rows. Stats: detached scalars. With
+        `entropy_in_loss` it is also given `entropy=` (B_idx, T), the policy's token entropy with its gradient."""
         ...
 
     def step_parts(self) -> tuple[StepPart, ...]:
@@ -121,6 +134,7 @@ class AlgorithmDefaults:
     step_names: dict[str, str] = {}  # averaged loss stat -> its metric name (TRL's where TRL has one)
     policy_gradient = True
     group_relative = False
+    entropy_in_loss = False
 
     def step_metrics(self, stats: dict) -> dict:
         return {self.step_names[k]: v for k, v in stats.items() if k in self.step_names}

@@ -16,6 +16,7 @@ from rlhflab.core import (KL_ESTIMATORS, aggregate_token_loss, clipped_ratio_los
                           sequence_log_ratio)
 from rlhflab.errors import UserInputError
 from rlhflab.trainers.online.algorithm import Advantages, ScoredRollout, StepShare
+from rlhflab.trainers.online.controls import EntropyControl, truncation_metrics
 
 
 def check_group(cfg) -> None:
@@ -38,8 +39,11 @@ class ClipSettings:
 
 
 def clipped_policy_loss(logprobs: Tensor, batch: ScoredRollout, adv: Advantages, idx: Tensor, share: StepShare,
-                        settings: ClipSettings) -> tuple[Tensor, dict]:
-    """Loss of micro-batch `idx`, scaled so that a step's micro-batches add up to the step's loss."""
+                        settings: ClipSettings, entropy: EntropyControl | None = None,
+                        entropies: Tensor | None = None) -> tuple[Tensor, dict]:
+    """Loss of micro-batch `idx`, scaled so that a step's micro-batches add up to the step's loss. `entropy`: the
+    algorithm's entropy settings, with `entropies` (B_idx, T) the policy's (with their gradient) when the bonus is
+    on."""
     rollout = batch.rollout
     mask = batch.mask[idx]
     old = rollout.logprobs[idx]
@@ -52,12 +56,16 @@ def clipped_policy_loss(logprobs: Tensor, batch: ScoredRollout, adv: Advantages,
     per_token = per_token.expand_as(logprobs)
     if batch.sampler_weights is not None:  # --sampler_correction: on the policy-gradient term, not on the KL term
         per_token = per_token * batch.sampler_weights[idx]
+    if adv.policy_mask is not None:  # --top_entropy_quantile: the same (TRL: before the KL term is added)
+        per_token = torch.where(adv.policy_mask[idx], per_token, torch.zeros((), dtype=per_token.dtype))
     kl = KL_ESTIMATORS["k3"](logprobs, rollout.ref_logprobs[idx], mask)
     if settings.kl_loss_coef:
         per_token = per_token + settings.kl_loss_coef * kl
     tokens = share.rollout_tokens / share.steps if settings.loss_type == "dapo" else share.tokens
     loss = aggregate_token_loss(per_token, mask, settings.loss_type, rows=share.rows, tokens=tokens,
                                 max_length=share.response_length)
+    if entropy is not None and entropy.in_loss:  # a token mean over the step whatever the loss_type (TRL)
+        loss = loss + entropy.bonus(entropies, batch, adv, idx, share)
     with torch.no_grad():
         low, high = low.expand_as(mask).float(), high.expand_as(mask).float()
         ratio = torch.exp(log_ratio).expand_as(mask)
@@ -72,10 +80,11 @@ def clipped_policy_loss(logprobs: Tensor, batch: ScoredRollout, adv: Advantages,
     return loss, stats
 
 
-def group_metrics(batch: ScoredRollout, rewards: Tensor) -> dict:
+def group_metrics(batch: ScoredRollout, rewards: Tensor, mask_truncated: bool = False) -> dict:
     """TRL 1.16's GRPO / RLOO rollout metrics. `reward` and `reward_std` read the scores, before any KL penalty,
     over the whole rollout (TRL's nanmean / nanstd of the summed reward functions); `frac_reward_zero_std` is
-    the share of groups whose `rewards` (what the baseline sees) have no spread, i.e. no learning signal."""
+    the share of groups whose `rewards` (what the baseline sees) have no spread, i.e. no learning signal;
+    `completions/clipped_ratio` the share of responses cut at the cap (and --mask_truncated_completions' count)."""
     valid = batch.valid
     scores = batch.scores[valid]
     spread = group_std(torch.where(valid, rewards, torch.full_like(rewards, float("nan"))), batch.group_size)
@@ -85,6 +94,7 @@ def group_metrics(batch: ScoredRollout, rewards: Tensor) -> dict:
         "frac_reward_zero_std": (spread == 0).float().mean().item(),
         "completions/mean_length": batch.rollout.response_mask.sum(dim=1).float().mean().item(),
         "entropy": masked_mean(batch.rollout.entropy, batch.rollout.response_mask).item(),
+        **truncation_metrics(batch, mask_truncated),
     }
 
 

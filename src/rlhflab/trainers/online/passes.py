@@ -19,6 +19,7 @@ import torch
 from rlhflab import parallel
 from rlhflab.trainers.nonfinite import clip_and_step
 from rlhflab.trainers.online.algorithm import Algorithm, ScoredRollout, StepPart, StepShare
+from rlhflab.trainers.online.controls import truncation_masked
 from rlhflab.trainers.online.ranks import merged_history, micro_batches, micro_cut
 
 
@@ -31,15 +32,20 @@ def micro_losses(algorithm: Algorithm, roles, batch: ScoredRollout, adv, idx, sh
     "all", or the one trained model whose forward runs and whose loss is returned ("policy" / "value")."""
     rollout = batch.rollout
     q, qm, r, rm = (t[idx] for t in (rollout.query_ids, rollout.query_mask, rollout.response_ids, batch.mask))
-    if forward is not None:
+    # --entropy_coef: the entropy from the same log-softmax pass, with its gradient (never from a reused forward)
+    with_entropy = algorithm.entropy_in_loss and part != "value"
+    if forward is not None and not with_entropy:
         logprobs, values = forward[0][idx], (forward[1][idx] if forward[1] is not None else None)
         logprobs, values = (None if part == "value" else logprobs), (None if part == "policy" else values)
+    elif with_entropy:
+        logprobs, entropy, values = roles.logprobs_and_values(q, qm, r, rm, temperature, part=part, entropy_grad=True)
     else:
         logprobs, _, values = roles.logprobs_and_values(q, qm, r, rm, temperature, part=part)
     values = values.float() if values is not None else None
-    if part == "all":
-        return algorithm.loss(logprobs, values, batch, adv, idx, share)
-    return algorithm.loss(logprobs, values, batch, adv, idx, share, part=part)
+    extra = {"part": part} if part != "all" else {}
+    if with_entropy:
+        extra["entropy"] = entropy
+    return algorithm.loss(logprobs, values, batch, adv, idx, share, **extra)
 
 
 def update_passes(algorithm: Algorithm, roles, optimizer, scheduler, batch: ScoredRollout, adv, cfg, generator,
@@ -57,6 +63,10 @@ def update_passes(algorithm: Algorithm, roles, optimizer, scheduler, batch: Scor
     a step of its own for "skipped" and for fp16's scaler, and the LR schedule steps once for the minibatch
     when any of its parts was applied."""
     world = trained.world if trained is not None else parallel.SINGLE
+    # --mask_truncated_completions: the truncated responses leave the loss here, after the advantages were formed
+    # with them (trainers/online/controls.py); their attention changes, so the rollout's forward is not reused
+    masked = truncation_masked(batch, cfg.mask_truncated_completions)
+    narrowed, batch = masked is not batch, masked
     roles.train(True)
     # FSDP2 may hold a layer unsharded between forwards: the optimiser's parameters are the sharded ones
     params = [p for g in optimizer.param_groups for p in g["params"]] if world.distributed and trained.layout.sharded \
@@ -69,7 +79,7 @@ def update_passes(algorithm: Algorithm, roles, optimizer, scheduler, batch: Scor
     rollout_tokens = batch.mask.sum().clamp(min=1).item()
     step = MinibatchStep(algorithm, roles, optimizer, scheduler, batch, adv, cfg, params, trained, update, prompt_keys)
     # the rollout's forward is the first step's forward only if that step sees every row at the rollout's weights
-    reuse = rollout.policy_forward if step.micro >= size else None
+    reuse = rollout.policy_forward if step.micro >= size and not narrowed and not algorithm.entropy_in_loss else None
     for epoch in range(algorithm.epochs):
         order = shuffled_rows(size, batch.group_size if algorithm.whole_groups else 1, generator)
         for start in range(0, size, mb_size):

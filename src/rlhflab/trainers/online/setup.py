@@ -65,6 +65,11 @@ def check_online_config(cfg: OnlineFields, epochs: int = 1, group: int = 1) -> N
         raise UserInputError(f"max_seconds must be >= 0, got {cfg.max_seconds}", "--max_seconds", "0 = no limit")
     if cfg.reward in ("model", "combined") and not cfg.reward_model:
         raise UserInputError(f"reward={cfg.reward} needs a reward model", "--reward_model", "pass a reward model folder")
+    if not 0 <= cfg.overlong_buffer_len <= cfg.response_length or cfg.overlong_penalty_factor < 0:
+        raise UserInputError(f"overlong_buffer_len must be in [0, response_length {cfg.response_length}] and "
+                             f"overlong_penalty_factor >= 0, got {cfg.overlong_buffer_len}, "
+                             f"{cfg.overlong_penalty_factor}", "--overlong_buffer_len / --overlong_penalty_factor",
+                             "e.g. a quarter of response_length and 1.0 (DAPO's 4096 of 20480)")
 
 
 def sampler_correction_mode(cfg: OnlineFields) -> str:
