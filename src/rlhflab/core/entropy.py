@@ -41,8 +41,8 @@ def top_entropy_mask(entropy: Tensor, mask: Tensor, quantile: float) -> Tensor:
 
 
 def entropy_bonus(entropy: Tensor, mask: Tensor, coef: float, tokens: float) -> Tensor:
-    """−coef × Σ_mask entropy / tokens: a loss term whose sum over a step's micro-batches is −coef × the mean token
-    entropy of the step when `tokens` counts the step's tokens (TRL: the bonus is the mean per-token entropy
+    """−coef × Σ_mask entropy / tokens: a loss term whose sum over a step's micro-batches is −coef × the mean
+    token entropy of the step when `tokens` counts the step's tokens (TRL: the bonus is the mean per-token entropy
     whatever the loss type). entropy: (B, T), differentiable; mask: (B, T) bool -> scalar."""
     picked = torch.where(mask, entropy, torch.zeros((), dtype=entropy.dtype, device=entropy.device))
     return -coef * picked.sum() / max(float(tokens), 1.0)
