@@ -23,6 +23,7 @@ PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("value loss (loss/value_avg)", ("loss/value_avg",)),
     ("explained variance of the values", ("val/explained_variance",)),
     ("entropy (objective/entropy, nats/token)", ("objective/entropy",)),
+    ("entropy bonus coefficient (entropy_coef)", ("entropy_coef",)),
     ("response length (tokens)", ("response/length_mean",)),
     ("response diversity and length cap", ("response/distinct_2", "response/duplicate_share", "response/capped_share")),
     ("validation pass rate (held-out)", ("val/pass_rate",)),
