@@ -25,7 +25,7 @@ from rlhflab.errors import UserInputError
 from rlhflab.trainers import grpo, online_dpo, ppo, reinforce, rloo
 from rlhflab.trainers.online.algorithm import Advantages, StepShare
 from rlhflab.trainers.online.controls import truncation_masked
-from rlhflab.trainers.online.loop import micro_losses, scored_batch
+from rlhflab.trainers.online.loop import micro_losses, scored_batch, update_passes
 from rlhflab.trainers.online.setup import build_roles
 
 GROUP_METHODS = {  # the critic-free methods with a group baseline: (config class, algorithm class, own fields)
@@ -135,6 +135,32 @@ def test_a_truncated_completion_contributes_exactly_zero_gradient(policy_dir, me
     loss.backward()
     assert (logprobs.grad[cut] == 0).all() and torch.isfinite(logprobs.grad).all()
     assert (logprobs.grad[~cut][rollout.response_mask[~cut]] != 0).any()
+
+
+def test_the_update_passes_apply_the_mask(policy_dir):
+    """update_passes with --mask_truncated_completions trains the weights that the narrowed batch trains without the
+    flag, and not the ones of the whole batch (the advantages, formed before, are the same in all three)."""
+    cfg = config("grpo", policy_dir, num_mini_batches=2, max_grad_norm=0.0)
+    roles, tokenizer = build_roles(cfg, critic=False)
+    rollout = grouped_rollout(cfg, roles, tokenizer, prompts=2, group=4)
+    ends = torch.tensor([True, False, True, True, True, True, False, True])
+    rollout = dataclasses.replace(rollout, ended_with_eos=ends)
+    scores = torch.randn(8, generator=torch.Generator().manual_seed(2))
+    batch = scored_batch(rollout, scores, torch.ones(8, dtype=torch.bool), 4)
+    adv = grpo.GRPO(cfg).advantages(batch)
+
+    def weights_after(one, masking: bool):
+        fresh, _ = build_roles(cfg, critic=False)
+        optimizer = torch.optim.SGD(fresh.trainable_parameters(), lr=0.5)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+        run_cfg = dataclasses.replace(cfg, mask_truncated_completions=masking)
+        update_passes(grpo.GRPO(run_cfg), fresh, optimizer, scheduler, one, adv, run_cfg,
+                      torch.Generator().manual_seed(0))
+        return [p.detach().clone() for p in fresh.trainable_parameters()]
+
+    masked = weights_after(batch, True)
+    assert all(torch.equal(a, b) for a, b in zip(masked, weights_after(truncation_masked(batch, True), False)))
+    assert any(not torch.equal(a, b) for a, b in zip(masked, weights_after(batch, False)))
 
 
 # --- the top-entropy mask and the entropy bonus --------------------------------------------------------------
