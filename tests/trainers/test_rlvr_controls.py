@@ -335,8 +335,6 @@ def test_each_control_trains_a_tiny_run(eos_prone_dir, tmp_path, name):
         assert row["completions/masked_truncated"] == round(row["response/capped_share"] * 16)
 
 
-@pytest.mark.xfail(reason="needs the loop's score shaping: core.length_shaped_scores in score_rollout (issue 37)",
-                   strict=True)
 def test_overlong_and_missing_eos_penalties_shape_a_runs_scores(eos_prone_dir, tmp_path):
     """Every reward 1, missing_eos_penalty 0.5, an overlong buffer as long as the cap (6) and factor 0.6: each score
     is 1 - 0.5 [no EOS] - 0.6 x length / 6, so their mean is 1 - 0.5 x capped_share - 0.1 x length_mean."""

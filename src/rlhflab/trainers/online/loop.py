@@ -3,7 +3,8 @@
 Each update (docs/ppo.md "Step by step" numbers them for PPO):
   1. sample `batch_size / k` prompts, each asked `k = algorithm.samples_per_prompt` times
   2. generate responses; old log-probs, reference log-probs (and values, with a critic), once
-  3. score the finished responses; subtract `missing_eos_penalty` where EOS never came
+  3. score the finished responses; subtract `missing_eos_penalty` where EOS never came, and DAPO's overlong
+     penalty near the length cap (`overlong_buffer_len`)
   4. the algorithm's advantages (GAE with a critic; group, leave-one-out or running baselines)
   5. `algorithm.epochs` passes over shuffled minibatches of the algorithm's loss: gradient
      clipping, AdamW, LR schedule
@@ -31,7 +32,7 @@ from tqdm.auto import tqdm
 
 from rlhflab import data, models, parallel, rewards, sources
 from rlhflab.checkpoint import Checkpointer, open_run
-from rlhflab.core import masked_mean, sampler_correction_weights
+from rlhflab.core import length_shaped_scores, masked_mean, sampler_correction_weights
 from rlhflab.data.prompt_rows import PromptRow
 from rlhflab.errors import UserInputError
 from rlhflab.models.precision import precision_from_config
@@ -63,9 +64,10 @@ log = logging.getLogger("rlhflab")
 
 
 def score_rollout(rollout: Rollout, reward_fn, tokenizer, rows: list[PromptRow], penalty: float,
-                  global_step: int = 0):
-    """(B,) scores with the missing-EOS penalty, and (B,) validity of each row. The reward is told each
-    response's token ids (its EOS included, as TRL's `completion_ids`) and the optimiser steps done so far."""
+                  global_step: int = 0, overlong: tuple[int, int, float] = (0, 0, 0.0)):
+    """(B,) scores with the missing-EOS penalty and DAPO's overlong penalty (`overlong`: the length cap, the
+    buffer, the factor; core/shaping.py), and (B,) validity of each row. The reward is told each response's token
+    ids (its EOS included, as TRL's `completion_ids`) and the optimiser steps done so far."""
     texts = decode_responses(tokenizer, rollout.response_ids, rollout.response_mask, tokenizer.eos_token_id)
     context = rewards.ScoreContext(completion_ids=response_tokens(rollout.response_ids, rollout.response_mask),
                                    global_step=global_step)
@@ -74,7 +76,8 @@ def score_rollout(rollout: Rollout, reward_fn, tokenizer, rows: list[PromptRow],
         raise UserInputError(f"the reward returned {tuple(scored.scores.shape)} scores for {rollout.batch_size} responses",
                              "reward_fn", "return one score per response, in the order given")
     device = rollout.response_ids.device
-    scores = scored.scores.float().to(device) - penalty * (~rollout.ended_with_eos).float()
+    scores = length_shaped_scores(scored.scores.float().to(device), rollout.response_mask.sum(dim=1),
+                                  rollout.ended_with_eos, penalty, *overlong)
     valid = scored.valid.to(device) & torch.isfinite(scores)
     return torch.where(valid, scores, torch.zeros_like(scores)), valid
 
@@ -100,7 +103,8 @@ def rollout_of_update(ranks: OnlineRanks, update: int, batch_ids: list[int], pro
                               place=place, response_width=world.max if world.distributed else None, sampled=sampled)
     t1 = time.time()
     scores, valid = score_rollout(rollout, reward_fn, tokenizer, [train_rows[i] for i in mine],
-                                  cfg.missing_eos_penalty, global_step=(update - 1) * steps_per_update)
+                                  cfg.missing_eos_penalty, global_step=(update - 1) * steps_per_update,
+                                  overlong=(cfg.response_length, cfg.overlong_buffer_len, cfg.overlong_penalty_factor))
     if world.distributed:
         scores, valid = parallel.gather_rows(scores, world), parallel.gather_rows(valid.to(torch.uint8), world).bool()
     return gather_rollout(rollout, world), scores, valid, time.time() - t1
@@ -257,7 +261,8 @@ def train_online(cfg, algorithm: Algorithm, run: RunDir | None = None, reward_fn
     settings = GenerationSettings(cfg.response_length, True, cfg.temperature, top_k=0, top_p=1.0)
     # one minibatch of one micro-batch: the rollout's policy forward is also the first training forward
     keep_graph = cfg.reuse_rollout_forward and cfg.num_mini_batches == 1 and cfg.gradient_accumulation_steps == 1 \
-        and not world.distributed  # several processes: a rank trains on other ranks' rows too
+        and not world.distributed and not algorithm.entropy_in_loss  # several processes: a rank trains on other
+    # ranks' rows too; an entropy bonus needs the entropy's graph, which the rollout's forward does not keep
     steps_per_update = algorithm.epochs * cfg.num_mini_batches  # optimiser steps: TRL's trainer_state.global_step
     evaluator = Evaluator(prompts.validation, tokenizer, cfg, run, verifier, reward_fn, steps_per_update)
     signal = evaluator.signal  # val/pass_rate (verifier) or val/reward: what keep_best and the monitor read
