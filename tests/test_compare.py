@@ -378,3 +378,16 @@ def test_the_readme_per_method_sections_plan(setup, tmp_path):
     plan = compare.parse_compare(["--config", str(path), "--model", str(folder / "policy")])
     assert plan.configs["grpo"].beta == 0.0 and plan.configs["dpo"].beta == 0.2
     assert plan.configs["online-dpo"].num_generations == 8 and plan.configs["ppo"].response_length == 26
+
+
+def test_every_variant_plans_with_its_methods_section_and_its_own_setting(setup):
+    folder, config = setup
+    plan = compare.parse_compare(["--config", str(config), "--methods", "ppo,grpo,grpo-async,grpo+dynamic,grpo+filter,"
+                                  "grpo+entropy,rloo+entropy", "--budget", "episodes=64"])
+    own = {"grpo-async": ("async_generation", True), "grpo+dynamic": ("dynamic_sampling", True),
+           "grpo+filter": ("filter_prompts", "pass_rate"), "grpo+entropy": ("use_adaptive_entropy", True)}
+    for name, (field, value) in own.items():
+        cfg = plan.configs[name]
+        assert getattr(cfg, field) == value and getattr(plan.configs["grpo"], field) != value, name
+        assert cfg.learning_rate == 2e-3 and cfg.num_generations == 4  # grpo's section
+    assert plan.configs["rloo+entropy"].use_adaptive_entropy and compare.METHODS["rloo+entropy"].variant_of == "rloo"

@@ -52,6 +52,7 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     *(variant(m, "-async", ("async_generation", True)) for m in BASE_METHODS if m.online),
     *(variant(m, "+dynamic", ("dynamic_sampling", True)) for m in BASE_METHODS if m.name in GROUP_RELATIVE),
     *(variant(m, "+filter", ("filter_prompts", "pass_rate")) for m in BASE_METHODS if m.name in GROUP_RELATIVE),
+    *(variant(m, "+entropy", ("use_adaptive_entropy", True)) for m in BASE_METHODS if m.name in ("grpo", "rloo")),
 )}
 assert tuple(METHODS) == COMPARE_METHODS + COMPARE_VARIANTS
 # fields of CompareConfig that are the comparison's own, not handed to the methods

@@ -18,9 +18,10 @@ COMPARE_METHODS = ("ppo", "grpo", "rloo", "reinforce", "dpo", "online-dpo")
 # variants, not in the default --methods: the online methods with --async_generation (max_staleness 1 unless a
 # section says otherwise), what overlapping generation with training buys in time and costs in learning; and the
 # group-relative ones with --dynamic_sampling or --filter_prompts pass_rate, what each control buys against its
-# generation cost
+# generation cost; GRPO and RLOO with adaptive entropy control (--use_adaptive_entropy)
 COMPARE_VARIANTS = (*(f"{m}-async" for m in COMPARE_METHODS if m != "dpo"),
-                    *(f"{m}+{control}" for control in ("dynamic", "filter") for m in ("grpo", "rloo", "online-dpo")))
+                    *(f"{m}+{control}" for control in ("dynamic", "filter") for m in ("grpo", "rloo", "online-dpo")),
+                    "grpo+entropy", "rloo+entropy")
 
 
 # --- stage configs ------------------------------------------------------------------
@@ -276,7 +277,8 @@ class CompareConfig(RunFields, ModelFields, SuiteFields, PromptFileFields, Rewar
     methods: str = arg(",".join(COMPARE_METHODS), "methods to run, comma-separated, from "
                                                   f"{', '.join(COMPARE_METHODS)}, and the variants "
                                                   f"{', '.join(COMPARE_VARIANTS)} (-async: --async_generation; "
-                                                  "+dynamic: --dynamic_sampling; +filter: --filter_prompts pass_rate)")
+                                                  "+dynamic: --dynamic_sampling; +filter: --filter_prompts pass_rate; "
+                                                  "+entropy: --use_adaptive_entropy)")
     budget: str = arg("episodes=3840", "what every method gets: episodes=N sampled responses (DPO: N preference "
                                        "pairs trained on) or seconds=S of training wall time")
     reward: Literal["auto", "checker", "model", "combined", "random"] = arg(
