@@ -82,7 +82,8 @@ def test_the_dry_run_works_without_datasets_or_an_installed_rlhflab_and_writes_i
     for row in rows:
         cells = [c.strip() for c in row.strip("|").split("|")]
         steps, episodes, tokens, mfu = int(cells[5]), float(cells[6]), float(cells[7]), float(cells[9].rstrip("%"))
-        assert steps >= 1 and episodes > 0 and tokens > 0 and 0 < mfu < 100 and float(cells[10]) > 0
+        # MFU is printed to 0.1 %: on a busy 2-core machine a tiny CPU row can round to 0.0 %
+        assert steps >= 1 and episodes > 0 and tokens > 0 and 0 <= mfu < 100 and float(cells[10]) > 0
     assert table.splitlines()[-1].startswith("wall ") and "gpu_check.sh: tests exit 0, benchmark exit 0" in log
     assert (out / "child-sft.log").is_file()
 
