@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 export OMP_WAIT_POLICY := PASSIVE
 
-.PHONY: setup demo test docs docs-build clean
+.PHONY: setup demo test docs docs-build mutation clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -30,5 +30,14 @@ docs: $(STAMP)
 docs-build: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict  # into build/site
 
+# mutation testing (benchmarks/mutation.py, docs/mutation.md): mutmut over every listed module, or one with
+# MODULE=src/rlhflab/core/losses.py; the table goes to mutants/table.md. Not part of CI (hours on 2 cores)
+$(VENV)/.mutation: $(STAMP) pyproject.toml
+	$(PY) -m pip install --quiet -e ".[mutation]"
+	touch $@
+
+mutation: $(VENV)/.mutation
+	nice -n 10 $(PY) benchmarks/mutation.py $(MODULE)
+
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs .pytest_cache mutants

@@ -1,0 +1,215 @@
+"""Mutation testing (issue 36): does the suite fail when the maths is wrong? mutmut 3.8.1, one module at a time.
+
+    make mutation                                    # every module in MODULES, then the table
+    make mutation MODULE=src/rlhflab/core/losses.py  # one
+    .venv/bin/python benchmarks/mutation.py src/rlhflab/core/losses.py --rerun survived   # after adding tests
+
+Modules are checked in groups (MODULES, GROUPS below); a group runs in its own folder, mutants/<group>/
+(git-ignored): links to src/, tests/, pyproject.toml and the files tests read (README.md, configs/, docs/,
+mkdocs.yml; mutmut copies them: `also_copy` in [tool.mutmut]), and mutmut's own state inside it. mutmut's settings
+are [tool.mutmut] in pyproject.toml; this script adds the group's `only_mutate` and test selection. To look at one
+mutant: `cd mutants/core && ../../.venv/bin/mutmut show NAME` (or `tests-for-mutant NAME`, `apply NAME`).
+
+Pitfalls this script handles (measured, issue 36):
+- a test that starts `python -m rlhflab...` in a subprocess imports the editable src/, never the mutated copy,
+  unless PYTHONPATH points at mutants/src: set here for mutmut and everything it starts;
+- tests that read README.md, configs/ or docs/ find them only through `also_copy`;
+- a narrow test selection gives false survivors: each group lists the tests that exercise it (GROUPS);
+- `mutmut print-time-estimates` run on its own re-collects and so wipes the test mapping: not used here.
+
+The table (module, mutants, killed, judged equivalent, survived, timed out, no tests, minutes) goes to
+mutants/table.md; survivors that docs/mutation.md names as "`NAME`: equivalent" count as equivalent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / "mutants"
+NOTES = ROOT / "docs" / "mutation.md"
+LINKED = ["src", "tests", "pyproject.toml", "README.md", "configs", "docs", "mkdocs.yml"]
+
+# the tests each group of modules is checked against. A selection only narrows which tests mutmut maps to a
+# function, so a narrow one can add survivors (which then want a unit test), never hide a kill: the maths of core/
+# is held to its unit tests alone, the algorithm units to theirs plus the trainers' tiny-model tests
+GROUPS: dict[str, list[str]] = {
+    "core": ["tests/core"],
+    # the trainers' tiny-model tests (test_grpo.py, test_rloo_reinforce.py) would add kills but make it ~10x slower
+    "units": ["tests/core", "tests/trainers/test_algorithm_units.py"],
+    "loop": ["tests/core", "tests/trainers", "tests/invariants", "tests/checkpoint", "tests/parallel"],
+    "rewards": ["tests/rewards", "tests/trainers", "tests/cli"],
+    "eval": ["tests/eval", "tests/trainers", "tests/report", "tests/test_intervals.py", "tests/test_compare.py"],
+}
+# module -> its group; modules of a group share one folder, mutants/<group>/, and one collection of which test
+# calls which function (mutmut's "stats", the slow part: the whole selection once, traced)
+MODULES: dict[str, str] = {
+    "src/rlhflab/core/losses.py": "core",
+    "src/rlhflab/core/advantages.py": "core",
+    "src/rlhflab/core/kl.py": "core",
+    "src/rlhflab/core/importance.py": "core",
+    "src/rlhflab/core/masked.py": "core",
+    "src/rlhflab/core/entropy.py": "core",
+    "src/rlhflab/core/shaping.py": "core",
+    "src/rlhflab/core/logprobs.py": "core",
+    "src/rlhflab/trainers/grpo.py": "units",
+    "src/rlhflab/trainers/rloo.py": "units",
+    "src/rlhflab/trainers/reinforce.py": "units",
+    "src/rlhflab/trainers/online/clipped.py": "units",
+    "src/rlhflab/trainers/ppo.py": "loop",
+    "src/rlhflab/trainers/online_dpo.py": "loop",
+    "src/rlhflab/trainers/dpo.py": "loop",
+    "src/rlhflab/trainers/reward.py": "loop",
+    "src/rlhflab/trainers/sft.py": "loop",
+    "src/rlhflab/trainers/headroom.py": "loop",
+    "src/rlhflab/trainers/online/passes.py": "loop",
+    "src/rlhflab/trainers/online/state.py": "loop",
+    "src/rlhflab/trainers/online/ranks.py": "loop",
+    "src/rlhflab/trainers/online/loop.py": "loop",
+    "src/rlhflab/checkpoint/resume.py": "loop",
+    "src/rlhflab/checkpoint/state.py": "loop",
+    "src/rlhflab/checkpoint/ranks.py": "loop",
+    "src/rlhflab/rewards/functions.py": "rewards",
+    "src/rlhflab/intervals.py": "eval",
+    "src/rlhflab/eval/stopping.py": "eval",
+    "src/rlhflab/eval/alarms.py": "eval",
+    "src/rlhflab/eval/length_bias.py": "eval",
+    "src/rlhflab/eval/headroom.py": "eval",
+}
+
+
+def dotted(module: str) -> str:
+    """src/rlhflab/core/losses.py -> rlhflab.core.losses, the prefix of its mutants' names."""
+    return module.removeprefix("src/").removesuffix(".py").replace("/", ".")
+
+
+def workdir(group: str) -> Path:
+    """mutants/<group>/ with links to what mutmut copies; the group's mutmut state lives in it."""
+    work = OUT / group
+    work.mkdir(parents=True, exist_ok=True)
+    for name in LINKED:
+        link = work / name
+        if not link.is_symlink() and (ROOT / name).exists():
+            link.symlink_to(ROOT / name)
+    return work
+
+
+def child(group: str, names: list[str], max_children: int) -> None:
+    """Inside mutants/<group>/: mutmut's `run` with the group's modules and test selection."""
+    from mutmut import __main__ as mutmut_main
+    from mutmut.configuration import config
+
+    cfg = config()
+    cfg.only_mutate = [m for m, g in MODULES.items() if g == group]
+    cfg.pytest_add_cli_args_test_selection = list(GROUPS[group])
+    mutmut_main.cli(["run", "--max-children", str(max_children), *names], prog_name="mutmut")
+
+
+def statuses(module: str) -> tuple[dict[str, str], float]:
+    """{mutant name: mutmut's verdict} of a module's last run, and its mutants' test seconds added up."""
+    from mutmut.stats import status_by_exit_code
+
+    meta = OUT / MODULES[module] / "mutants" / (module + ".meta")
+    if not meta.exists():
+        return {}, 0.0
+    data = json.loads(meta.read_text())
+    return ({name: status_by_exit_code[code] for name, code in data["exit_code_by_key"].items()},
+            sum(data["durations_by_key"].values()))
+
+
+def judged_equivalent() -> set[str]:
+    """Survivors docs/mutation.md names as "`NAME`: equivalent" (or "message only")."""
+    if not NOTES.exists():
+        return set()
+    return set(re.findall(r"`([^`\s]+__mutmut_\d+)`:\s*(?:equivalent|message only)", NOTES.read_text()))
+
+
+def run_group(group: str, names: list[str], max_children: int) -> float:
+    work = workdir(group)
+    # on PYTHONPATH from the start: a folder missing when Python starts stays unimportable in that process (its
+    # path finder is cached as None), and the tests would then import the editable src/ and record nothing
+    (work / "mutants" / "src").mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE",
+           # subprocess tests (python -m rlhflab ...) must import the mutated copy, not the editable src/
+           "PYTHONPATH": os.pathsep.join(p for p in [str(work / "mutants" / "src"), os.environ.get("PYTHONPATH")] if p)}
+    start = time.monotonic()
+    code = [sys.executable, str(Path(__file__).resolve()), "--child", group, "--max-children", str(max_children),
+            "--mutants", *names]
+    done = subprocess.run(code, cwd=work, env=env)
+    if done.returncode != 0:
+        sys.exit(f"mutmut failed on group {group} (exit {done.returncode}); its state is in {work}")
+    return time.monotonic() - start
+
+
+def record_minutes(group: str, modules: list[str], seconds: float, rerun: bool) -> None:
+    """mutants/<group>/minutes.json: the run's wall time shared among its modules by their mutants (a rerun adds)."""
+    saved = OUT / group / "minutes.json"
+    minutes = json.loads(saved.read_text()) if saved.exists() else {}
+    counts = {m: len(statuses(m)[0]) for m in modules}
+    for module, count in counts.items():
+        share = seconds / 60 * count / max(sum(counts.values()), 1)
+        minutes[module] = (minutes.get(module, 0.0) if rerun else 0.0) + share
+    saved.write_text(json.dumps(minutes, indent=1))
+
+
+def table(modules: list[str]) -> str:
+    equivalent = judged_equivalent()
+    lines = ["| module | mutants | killed | equivalent | survived | timeout | no tests | minutes |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    survivors = []
+    for module in modules:
+        status, _ = statuses(module)
+        saved = OUT / MODULES[module] / "minutes.json"
+        minutes = json.loads(saved.read_text()).get(module, 0.0) if saved.exists() else 0.0
+        if not status:
+            continue
+        count = Counter(status.values())
+        left = sorted(n for n, s in status.items() if s != "killed" and n not in equivalent)
+        judged = sum(1 for n, s in status.items() if s != "killed" and n in equivalent)
+        lines.append(f"| {module.removeprefix('src/rlhflab/')} | {len(status)} | {count['killed']} | {judged} | "
+                     f"{count['survived'] - judged} | {count['timeout']} | {count['no tests']} | {minutes:.1f} |")
+        survivors += [f"- `{n}`: {status[n]}" for n in left]
+    return "\n".join(lines + ["", "Not killed and not judged equivalent:", ""] + (survivors or ["- none"])) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("modules", nargs="*", help="paths of MODULES (default: all of them)")
+    parser.add_argument("--max-children", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--rerun", choices=["survived"], help="run a module's survivors (and untested mutants) again, after new tests")
+    parser.add_argument("--mutants", nargs="*", default=[], help="only these mutant names (globs allowed)")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        return child(args.child, args.mutants, args.max_children)
+    unknown = [m for m in args.modules if m not in MODULES]
+    if unknown:
+        sys.exit(f"not in benchmarks/mutation.py's MODULES: {unknown}; known: {', '.join(MODULES)}")
+    modules = args.modules or list(MODULES)
+    for group in dict.fromkeys(MODULES[m] for m in modules):
+        names = list(args.mutants)
+        mine = [m for m in modules if MODULES[m] == group]
+        if args.rerun:
+            names += [n for m in mine for n, s in statuses(m)[0].items() if s in ("survived", "no tests")]
+            if not names:
+                print(f"{group}: nothing {args.rerun}")
+                continue
+        elif not names and len(mine) < sum(g == group for g in MODULES.values()):
+            names = [dotted(m) + ".*" for m in mine]  # the group's other modules keep their results
+        seconds = run_group(group, names, args.max_children)
+        print(f"group {group}: {seconds / 60:.1f} minutes wall")
+        record_minutes(group, mine, seconds, rerun=bool(args.rerun or args.mutants))
+    (OUT / "table.md").write_text(table(modules))
+    print(f"\n{(OUT / 'table.md').read_text()}\n(written to {OUT / 'table.md'})")
+
+
+if __name__ == "__main__":
+    main()
