@@ -43,18 +43,15 @@ def informative_groups(scores: Tensor, valid: Tensor, group: int) -> Tensor:
 
 
 def group_counts(rounds: list[Round], group: int) -> dict[str, int]:
-    """All-equal groups of every round: at the update's highest score (all pass, with 0 / 1 rewards) or its lowest
-    (all fail), and the rest."""
-    scores = torch.cat([r.scores[r.valid] for r in rounds])
-    top, bottom = scores.max(), scores.min()
-    counts = {"all_pass": 0, "all_fail": 0, "all_equal_other": 0}
+    """All-equal groups of every round: at the update's highest score (all pass, with 0 / 1 rewards) or at a lower
+    one (all fail: with the missing-EOS penalty a failing group may score 0 or -1)."""
+    top = torch.cat([r.scores[r.valid] for r in rounds]).max()
+    counts = {"all_pass": 0, "all_fail": 0}
     for r in rounds:
-        dull = ~informative_groups(r.scores, r.valid, group)
-        for g in dull.nonzero().flatten().tolist():
-            row = r.scores.view(-1, group)[g][r.valid.view(-1, group)[g]]
-            value = row[0] if row.numel() else None
-            key = "all_pass" if value == top else "all_fail" if value == bottom else "all_equal_other"
-            counts[key] += 1
+        scores, valid = r.scores.view(-1, group), r.valid.view(-1, group)
+        for g in (~informative_groups(r.scores, r.valid, group)).nonzero().flatten().tolist():
+            row = scores[g][valid[g]]
+            counts["all_pass" if row.numel() and row[0] == top else "all_fail"] += 1
     return counts
 
 
@@ -85,8 +82,7 @@ def refill(first: Round, sample_round: Callable[[int], Round], groups: int, grou
     metrics = {"dynamic/refill_rounds": len(rounds) - 1, "dynamic/generated": sum(len(one.batch_ids) for one in rounds),
                "dynamic/informative_groups": informative, "dynamic/padded_groups": groups - informative,
                "dynamic/surplus_groups": len(kept) - informative,  # informative, generated, not trained
-               "dynamic/dropped_all_pass": counts["all_pass"], "dynamic/dropped_all_fail": counts["all_fail"],
-               "dynamic/dropped_all_equal_other": counts["all_equal_other"]}
+               "dynamic/dropped_all_pass": counts["all_pass"], "dynamic/dropped_all_fail": counts["all_fail"]}
     return batch, metrics
 
 
