@@ -103,10 +103,10 @@ def test_reward_accuracy_counts_any_positive_margin_and_ipo_rewards_are_beta_tim
 
 def test_token_rewards_put_the_score_on_the_last_real_token_and_minus_beta_kl_everywhere():
     scores = torch.tensor([1.0, 2.0, 5.0])
-    kl = torch.tensor([[0.1, 0.2, 0.3], [0.4, 0.5, 0.6], [1.0, 1.0, 1.0]])
-    mask = mask_from_lengths(torch.tensor([3, 1, 0]), 3)  # the last row has no real token: nothing at all
+    kl = torch.tensor([[0.1, 0.2, 0.3, 0.0], [0.4, 0.5, 0.6, 0.0], [1.0, 1.0, 1.0, 1.0]])  # B = 3 != T = 4
+    mask = mask_from_lengths(torch.tensor([3, 1, 0]), 4)  # the last row has no real token: nothing at all
     rewards, non_score = token_rewards(scores, kl, mask, 0.5)
-    torch.testing.assert_close(rewards, torch.tensor([[-0.05, -0.1, 0.85], [1.8, 0.0, 0.0], [0.0, 0.0, 0.0]]))
+    torch.testing.assert_close(rewards, torch.tensor([[-0.05, -0.1, 0.85, 0.0], [1.8, 0.0, 0.0, 0.0], [0.0] * 4]))
     torch.testing.assert_close(non_score, -0.5 * kl)
 
 

@@ -58,8 +58,9 @@ def rloo_cfg(**fields) -> RLOOConfig:
 def test_rloo_gradient_at_ratio_one_is_minus_a_over_rows_on_every_real_token_whatever_the_length():
     # loss = sum_i -rho_i A_i / rows with log rho_i = sum_t (logp - old): d/d logp_t = -A_i / rows on each token
     # (a token mean of the log-ratio, "sequence_mean", would give -A_i / (rows x length_i))
-    batch, adv = batch_of([3, 1, 2, 3], [2.0, -1.0, 0.5, 1.5])
-    loss, grad, stats = loss_and_grad(rloo.RLOO(rloo_cfg()), batch, adv, torch.zeros(4, 3).tolist())
+    old = [[-0.5, -1.0, -2.0]] * 4  # the ratio is exp(logp - old) = 1
+    batch, adv = batch_of([3, 1, 2, 3], [2.0, -1.0, 0.5, 1.5], old=old)
+    loss, grad, stats = loss_and_grad(rloo.RLOO(rloo_cfg()), batch, adv, old)
     want = torch.where(batch.mask, torch.tensor([-0.5, 0.25, -0.125, -0.375]).unsqueeze(1), torch.zeros(()))
     torch.testing.assert_close(grad, want)
     assert loss.item() == pytest.approx(-(2.0 - 1.0 + 0.5 + 1.5) / 4)
@@ -112,9 +113,9 @@ def test_clip_flags_count_no_token_with_a_zero_advantage():
 def test_grpo_importance_sampling_level_token_and_sequence_by_hand(level):
     # log-ratios 0.1, -0.1, 0 sum to 0: GSPO's sequence ratio is 1 on each token, the token ratios are e^0.1, e^-0.1, 1
     # loss_type grpo: d loss / d logp_t = -A rho / (length x rows); for GSPO rho = 1 and the chain rule gives 1/length
-    batch, adv = batch_of([3, 3], [1.0, 1.0])
+    batch, adv = batch_of([3, 3], [1.0, 1.0], old=[[-1.0, -1.0, -1.0]] * 2)
     unit = grpo.GRPO(grpo_cfg(importance_sampling_level=level, loss_type="grpo", epsilon=10.0))
-    _, grad, stats = loss_and_grad(unit, batch, adv, [[0.1, -0.1, 0.0], [0.0, 0.0, 0.0]])
+    _, grad, stats = loss_and_grad(unit, batch, adv, [[-0.9, -1.1, -1.0], [-1.0, -1.0, -1.0]])
     rho = [math.exp(0.1), math.exp(-0.1), 1.0] if level == "token" else [1.0, 1.0, 1.0]
     torch.testing.assert_close(grad[0], torch.tensor([-r / 6 for r in rho]))
     assert stats["ratio_max"].item() == pytest.approx(max(rho))
@@ -177,11 +178,10 @@ def test_reinforce_advantages_and_loss_by_hand_with_and_without_normalize_advant
 
 
 def test_reinforce_loss_divides_by_the_steps_tokens_and_logs_per_micro_batch():
-    batch = reinforce_batch([0.0, 0.0], [2, 1])
-    _, adv = batch_of([2, 1], [2.0, 4.0], group=1)
+    batch, adv = batch_of([2, 1], [2.0, 4.0], old=[[-1.0, -0.5, 0.0], [-2.0, 0.0, 0.0]], group=1)
     unit = reinforce.REINFORCE(REINFORCEConfig(model="unused"))
     share = share_of(batch, tokens=6)  # the step holds 6 tokens, this micro-batch 3 of them
-    logprobs = torch.tensor([[math.log(2.0), 0.0, 0.0], [0.0, 0.0, 0.0]], requires_grad=True)
+    logprobs = torch.tensor([[math.log(2.0) - 1.0, -0.5, 0.0], [-2.0, 0.0, 0.0]], requires_grad=True)
     loss, stats = unit.loss(logprobs, None, batch, adv, torch.arange(2), share)
     # -(2 x 2 + 2 x 1 + 4 x 1) / 6
     assert loss.item() == pytest.approx(-10 / 6)
