@@ -10,7 +10,9 @@ default Llama, 96 wide, 3 layers, the suite's prompts) freshly initialised, so e
 - async k=0 / k=1: the generator on one core, the trainer on the other (--generator_threads 1 --threads 1).
 Printed: episodes per second of the loop (summary.json's `eps_loop`: updates only, not loading or the held-out
 evaluations, which every row runs the same), and for async the share of the loop the trainer waited for
-rollouts.
+rollouts. Then the machine's own bound: two synchronous 1-thread runs started together, their episodes per second
+added up against one run alone — what these two cores give two busy processes at once, and so the most an
+asynchronous run (a generator and a trainer, one core each) can gain over the best synchronous row.
 """
 
 from __future__ import annotations
@@ -43,11 +45,29 @@ def tiny_model(folder: Path) -> str:
 
 
 def run(method: str, row: str, model: str, out: Path, episodes: int) -> dict:
-    command = [sys.executable, "-m", "rlhflab", method, "--model", model, "--output_dir", str(out), "--overwrite",
-               "--total_episodes", str(episodes), "--batch_size", "64", "--eval_every", "0", "--eval_prompts", "16",
-               "--progress", "false", "--write_report", "false", "--save_every", "-1", "--console_samples", "0",
-               *METHOD_FLAGS[method], *ROWS[row]]
+    command = command_of(method, row, model, out, episodes)
     subprocess.run(command, check=True, capture_output=True, env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"})
+    return read_run(out)
+
+
+def command_of(method: str, row: str, model: str, out: Path, episodes: int) -> list[str]:
+    return [sys.executable, "-m", "rlhflab", method, "--model", model, "--output_dir", str(out), "--overwrite",
+            "--total_episodes", str(episodes), "--batch_size", "64", "--eval_every", "0", "--eval_prompts", "16",
+            "--progress", "false", "--write_report", "false", "--save_every", "-1", "--console_samples", "0",
+            *METHOD_FLAGS[method], *ROWS[row]]
+
+
+def side_by_side(method: str, model: str, out: Path, episodes: int) -> float:
+    """Two synchronous 1-thread runs started together: their episodes per second of the loop, added up."""
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
+    procs = [subprocess.Popen(command_of(method, "sync, threads 1", model, out / str(i), episodes), env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for i in range(2)]
+    if any(p.wait() for p in procs):
+        raise RuntimeError(f"a side-by-side {method} run failed")
+    return sum(read_run(out / str(i))["eps"] for i in range(2))
+
+
+def read_run(out: Path) -> dict:
     summary = json.loads((out / "summary.json").read_text())
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     waited = sum(m.get("async/wait_s", 0.0) for m in metrics)
@@ -70,6 +90,9 @@ def main() -> None:
                     got = run(method, row, model, Path(tmp) / f"{method}-{repeat}-{len(results)}", args.episodes)
                     results.setdefault((method, row), []).append(got)
                     print(f"{method:5} {row:16} eps {got['eps']:.1f} waited {got['waited_share']:.0%}", flush=True)
+                together = side_by_side(method, model, Path(tmp) / f"{method}-{repeat}-pair", args.episodes)
+                results.setdefault((method, "pair"), []).append({"eps": together})
+                print(f"{method:5} two 1-thread runs side by side: eps {together:.1f} together", flush=True)
     print("\n| method | row | episodes/s of the loop (runs) | median | x best sync | trainer waited |")
     print("|---|---|---|---|---|---|")
     for method in args.methods.split(","):
@@ -80,6 +103,11 @@ def main() -> None:
             listed = ", ".join(f"{r['eps']:.1f}" for r in runs)
             print(f"| {method} | {row} | {listed} | {median:.1f} | "
                   f"{median / best:.2f} | {statistics.median(r['waited_share'] for r in runs):.0%} |")
+    print("\nThe machine's bound (two synchronous 1-thread runs side by side, episodes/s added up, against one alone):")
+    for method in args.methods.split(","):
+        alone = statistics.median(r["eps"] for r in results[(method, "sync, threads 1")])
+        pair = statistics.median(r["eps"] for r in results[(method, "pair")])
+        print(f"- {method}: {pair:.1f} together against {alone:.1f} alone: {pair / alone:.2f}x")
 
 
 if __name__ == "__main__":

@@ -256,12 +256,14 @@ class Runner:
             extra = flags(argv[argv.index("--stage") + 1] if "--stage" in argv else "ppo")
         elif stage == "compare":  # the tiny sections of the methods listed (a section for another is refused)
             listed = argv[argv.index("--methods") + 1].split(",") if "--methods" in argv else list(COMPARE_SECTIONS)
-            bases = {m.removesuffix("-async") for m in listed}
+            bases = {m.removesuffix("-async").split("+")[0] for m in listed}
             config = self.folder / f"tiny_compare_{self.outputs}.yaml"
             config.write_text(yaml.safe_dump({m: v for m, v in COMPARE_SECTIONS.items() if m in bases}))
             extra = [*flags("compare"), "--config", str(config)]
         elif stage in STAGES:
             extra = flags(stage)
+            if "--overlong_buffer_len" in argv:  # the page's buffer, within the shrunk response_length
+                extra += ["--overlong_buffer_len", "2"]
         else:
             extra = []
         writes = stage not in ("report", "tasks export", "chain")
