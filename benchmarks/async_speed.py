@@ -6,8 +6,9 @@ Each configuration is a fresh process (`rlhflab <method> ...`), interleaved, on 
 default Llama, 96 wide, 3 layers, the suite's prompts) freshly initialised, so every answer runs to the
 26-token cap: the work per update is the same in every row. Rows:
 - sync, threads 2: the synchronous loop on both cores (the CLI's default on this machine);
-- sync, threads 1: one core (what each side of an async run gets);
-- async k=0 / k=1: the generator on one core, the trainer on the other (--generator_threads 1 --threads 1).
+- sync, threads 1: one core;
+- async k=0 / k=1: a 1-thread generator beside a 2-thread trainer (the defaults: --threads 0 = all cores);
+- async k=1, trainer 1 thread: each side on a core of its own (--threads 1 --generator_threads 1).
 Printed: episodes per second of the loop (summary.json's `eps_loop`: updates only, not loading or the held-out
 evaluations, which every row runs the same), and for async the share of the loop the trainer waited for
 rollouts. Then the machine's own bound: two synchronous 1-thread runs started together, their episodes per second
@@ -29,8 +30,10 @@ from pathlib import Path
 ROWS = {
     "sync, threads 2": ["--threads", "2"],
     "sync, threads 1": ["--threads", "1"],
-    "async k=0": ["--threads", "1", "--async_generation", "--max_staleness", "0", "--generator_threads", "1"],
-    "async k=1": ["--threads", "1", "--async_generation", "--max_staleness", "1", "--generator_threads", "1"],
+    "async k=0": ["--threads", "2", "--async_generation", "--max_staleness", "0", "--generator_threads", "1"],
+    "async k=1": ["--threads", "2", "--async_generation", "--max_staleness", "1", "--generator_threads", "1"],
+    "async k=1, trainer 1 thread": ["--threads", "1", "--async_generation", "--max_staleness", "1",
+                                    "--generator_threads", "1"],
 }
 METHOD_FLAGS = {"grpo": ["--num_generations", "4"], "ppo": []}
 

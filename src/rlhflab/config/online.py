@@ -74,7 +74,8 @@ class OnlineFields(ParallelFields, MonitorFields, CheckpointFields, RunFields, M
     max_staleness: int = arg(1, "async_generation: a rollout trained in update u was sampled with the weights of "
                                 "update u - 1 - max_staleness (0 = the synchronous loop's, in another process)")
     generator_threads: int = arg(1, "async_generation: torch CPU threads of the generating process (the trainer "
-                                    "keeps --threads; 0 there = the cores left)")
+                                    "keeps --threads, whose 0 = all cores: the generator samples for part of each "
+                                    "update only)")
     # the cycle
     total_episodes: int = arg(3840, "responses generated over the run")
     max_seconds: float = arg(0.0, "stop after this many seconds of the run's cycle (updates and evaluations, not "
