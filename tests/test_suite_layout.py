@@ -1,0 +1,18 @@
+"""`make test` runs the tests that start no process on two workers at once, then the others one at a time
+(tests/conftest.py marks them `processes`): a test file that starts processes must be among those marked."""
+
+import re
+from pathlib import Path
+
+from conftest import TESTS, starts_processes  # noqa: F401 - the hook's own definitions
+
+# what a test file calls to start another process: the CLI or python in a subprocess, torchrun, a launcher
+# helper, the asynchronous generator (a spawned process), a browser, a venv
+STARTS = re.compile(r"subprocess|start_cli|torch\.distributed\.run|launch\(|async_generation=True|"
+                    r"multiprocessing|playwright|bare_python|async_generation\", \"true\"|-async")
+
+
+def test_every_test_file_that_starts_processes_is_marked():
+    unmarked = [path.relative_to(TESTS).as_posix() for path in sorted(TESTS.rglob("test_*.py"))
+                if path.name != Path(__file__).name and STARTS.search(path.read_text()) and not starts_processes(path)]
+    assert unmarked == [], f"add these to PROCESS_FILES in tests/conftest.py: {unmarked}"
