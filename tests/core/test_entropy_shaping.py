@@ -29,6 +29,13 @@ def test_overlong_penalty_at_hand_worked_lengths():
     assert (overlong_penalty(lengths, 20, 0, 1.0) == 0).all() and (overlong_penalty(lengths, 20, 4, 0.0) == 0).all()
 
 
+def test_overlong_penalty_with_a_one_token_buffer_and_past_the_cap():
+    """A buffer of 1 is on (only the last token pays, all of it); a length past the cap (a caller's own limit)
+    pays the whole factor, never more."""
+    assert overlong_penalty(torch.tensor([5, 6]), 6, 1, 1.0).tolist() == [0.0, 1.0]
+    assert overlong_penalty(torch.tensor([10, 12]), 10, 4, 0.5).tolist() == [0.5, 0.5]
+
+
 def test_overlong_and_missing_eos_penalties_add_up():
     """cap 10, buffer 4, factor 1, missing_eos_penalty 1, every reward 1: a short answer keeps 1; one that ends
     with EOS in the buffer pays its share; one cut at the cap without EOS pays both, 1 + 1."""
@@ -173,3 +180,31 @@ def test_adaptive_entropy_coefficient_resumes_exactly():
     assert math.isinf(fresh.entropy) and fresh.applied == 0.0
     with pytest.raises(ValueError):
         fresh.load_state_dict({"kind": "adaptive", "value": 0.1})  # a KL controller's state
+
+
+def test_entropy_bonus_of_a_one_token_step_and_the_controllers_bounds():
+    # one token: -coef x its entropy, divided by 1, not by a floor above it
+    assert entropy_bonus(torch.tensor([[2.0, 5.0]]), torch.tensor([[True, False]]), 1.0, 1).item() == -2.0
+    AdaptiveEntropyController(0.1, 0.5, 0.0, 0.0, 1.0)  # delta 0: a constant coefficient, allowed
+    fixed = AdaptiveEntropyController(0.3, 0.5, 0.01, 0.1, 0.1)  # low == high: pinned there
+    assert fixed.value == 0.1
+    for bad in ((-0.01, 0.0, 1.0), (0.01, -0.1, 1.0), (0.01, 0.5, 0.2)):  # delta < 0, low < 0, high < low
+        with pytest.raises(ValueError, match="adaptive entropy needs"):
+            AdaptiveEntropyController(0.1, 0.5, *bad)
+
+
+def test_a_resumed_controller_applies_its_coefficient_before_its_next_measurement():
+    """The last measured entropy travels with the state: right after a resume the bonus is the one the
+    uninterrupted run applies (on, below the target; off, above it)."""
+    for last, applied in ((0.3, True), (0.7, False)):
+        first = AdaptiveEntropyController(0.2, 0.5, 0.01, 0.0, 1.0)
+        first.update(last)
+        state = json.loads(json.dumps(first.state_dict()))
+        assert state["entropy"] == last
+        resumed = AdaptiveEntropyController(0.0, 0.5, 0.01, 0.0, 1.0)
+        resumed.load_state_dict(state)
+        assert resumed.entropy == last and resumed.applied == (first.value if applied else 0.0)
+    fresh = AdaptiveEntropyController(0.2, 0.5, 0.01, 0.0, 1.0).state_dict()
+    assert fresh["entropy"] is None  # no measurement yet (JSON has no inf)
+    with pytest.raises(ValueError, match="expected 'adaptive_entropy'"):
+        AdaptiveEntropyController(0.2, 0.5, 0.01, 0.0, 1.0).load_state_dict({**fresh, "kind": "other"})
