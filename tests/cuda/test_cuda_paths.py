@@ -126,14 +126,21 @@ def test_first_rollout_on_cuda_bf16_lora_has_ratio_one_and_kl_zero_exactly(polic
     assert torch.equal(ratio, torch.ones_like(ratio))
 
 
+def alternating(prompts, texts, rows):
+    """0, 1, 0, 1, ... by row: every group of 4 holds both scores, so no advantage is 0 by a tie (a reward of the
+    text alone can give a group four equal scores, and then GRPO's first update moves nothing)."""
+    return [float(i % 2) for i in range(len(texts))]
+
+
 @pytest.mark.parametrize("stage", ["ppo", "grpo"])
 def test_online_runs_on_cuda_bf16_lora_start_exact_and_move(policy_dir, tmp_path, stage):
     from rlhflab.trainers import grpo, ppo
 
-    cls, trainer, extra = {"ppo": (PPOConfig, ppo, {"num_ppo_epochs": 1}),
+    # PPO's value warm-up (2 rollouts by default) off: the policy must train on the first rollout
+    cls, trainer, extra = {"ppo": (PPOConfig, ppo, {"num_ppo_epochs": 1, "value_warmup_rollouts": 0}),
                            "grpo": (GRPOConfig, grpo, {"num_generations": 4})}[stage]
     cfg = cuda_cfg(policy_dir, cls, output_dir=str(tmp_path / "run"), **extra)
-    result = trainer.train(cfg, reward_fn=lambda prompts, texts, rows: [float(len(t) % 3) for t in texts])
+    result = trainer.train(cfg, reward_fn=alternating)
     rows = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
     updates = [r for r in rows if "objective/kl" in r]
     assert len(updates) == 2 and updates[0]["objective/kl"] == 0.0  # policy == reference at the first rollout
@@ -141,3 +148,32 @@ def test_online_runs_on_cuda_bf16_lora_start_exact_and_move(policy_dir, tmp_path
     assert ratios and all(r == 1.0 for r in ratios)  # one minibatch, one pass: the only step sees the rollout's weights
     assert updates[1]["objective/kl"] != 0.0  # the first update moved the policy
     assert all(v == v for r in updates for v in r.values() if isinstance(v, float))  # no NaN
+
+
+def test_async_generation_on_cuda_bf16_lora_k0_and_k1(policy_dir, tmp_path):
+    """The generator process on the same GPU (rollout/async_generator.py). k = 0: the first rollout (the start
+    weights, the same seed) is the synchronous run's, every rollout is fresh and sampled with the trainer's weights
+    (importance weights ~1; later rollouts may part from the synchronous run's: another process's bf16 kernels can
+    round a logit differently and sample another token); k = 1: the later rollouts are one update stale and
+    corrected by importance weights."""
+    from rlhflab.trainers import grpo
+
+    def updates(result):
+        rows = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+        return [r for r in rows if "objective/kl" in r]
+
+    runs = {name: updates(grpo.train(cuda_cfg(policy_dir, GRPOConfig, output_dir=str(tmp_path / name),
+                                              num_generations=4, total_episodes=24, **flags), reward_fn=alternating))
+            for name, flags in {"sync": {}, "k0": {"async_generation": True, "max_staleness": 0},
+                                "k1": {"async_generation": True, "max_staleness": 1}}.items()}
+    for name, rows in runs.items():  # what a GPU run shows, for the note
+        print(name, [{k: round(v, 6) for k, v in r.items() if isinstance(v, float) and k.split("/")[0] in
+                      ("objective", "sampler", "async", "loss")} for r in rows])
+    sync, k0, k1 = runs["sync"], runs["k0"], runs["k1"]
+    assert [u["async/staleness"] for u in k0] == [0, 0, 0] and [u["async/staleness"] for u in k1] == [0, 1, 1]
+    for key in ("objective/scores", "loss"):
+        assert k0[0][key] == pytest.approx(sync[0][key], rel=1e-3, abs=1e-4), key
+    # k = 0 samples with the trainer's weights: sampler and trainer log-probs part by bf16 rounding only
+    assert all(abs(u["sampler/kl"]) < 0.02 for u in k0), [u["sampler/kl"] for u in k0]
+    assert all(0.5 < u["sampler/is_weight_mean"] < 2.0 for u in k1[1:])
+    assert k1[-1]["objective/kl"] != 0.0  # the stale updates still moved the policy
