@@ -35,3 +35,24 @@ def save_suite_model(folder, arch: str = "llama") -> str:
                                     intermediate_size=64, seed=0)
     models.save_model_folder(folder, model, tokenizer)
     return str(folder)
+
+
+def save_eos_prone_model(policy_dir, folder) -> str:
+    """The tiny policy with its EOS row turned towards the mean final hidden state over the suite's prompts: at a
+    response_length of 6 some answers end with EOS and some are cut (the plain tiny model's almost never end: EOS
+    is 1 token in 256), so responses of several lengths reach what divides by token counts."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rlhflab import tasks
+
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(policy_dir), AutoTokenizer.from_pretrained(policy_dir)
+    prompts = [item.prompt for item in tasks.build_splits(0, 22, 11, 11)["train"]]
+    with torch.no_grad():
+        hidden = torch.cat([model.model(input_ids=torch.tensor([tokenizer(p)["input_ids"]])).last_hidden_state[0]
+                            for p in prompts])
+        mean = hidden.mean(dim=0)
+        model.lm_head.weight[tokenizer.eos_token_id] = 2.0 * mean / mean.norm()
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)

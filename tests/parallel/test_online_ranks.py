@@ -1,6 +1,6 @@
 """The online methods in 2 processes (torchrun, gloo on CPU) against 1 process at the same global batch.
 
-One torchrun launch trains GRPO and PPO under DDP and FSDP2, RLOO under DDP, GRPO with --async_generation
+One torchrun launch trains GRPO and PPO under DDP and FSDP2, RLOO, REINFORCE and GRPO with BNPO under DDP, GRPO with --async_generation
 (2 trainer processes, rank 0's generator process: 3 processes) and GRPO with --dynamic_sampling
 (tests/parallel/online_ranks_driver.py); the same configs run here in one process. Checked: the weights after 3 updates
 (max abs difference <= 1e-5, float32), metrics.jsonl (timing fields aside), that rank 0 alone wrote the
@@ -26,7 +26,7 @@ import pytest
 import torch
 from runcheck import SUITE, WALL_CLOCK, metrics
 from safetensors.torch import load_file
-from tinyhf import save_suite_model
+from tinyhf import save_eos_prone_model, save_suite_model
 
 from rlhflab import parallel
 from rlhflab.checkpoint import MARKER
@@ -49,6 +49,12 @@ RUNS = {  # name -> (stage, strategy, the stage's own arguments)
     "ppo-ddp": ("ppo", "ddp", ["--learning_rate", "1e-3", "--adaptive_kl", "true", "--kl_target", "0.5"]),
     "ppo-fsdp2": ("ppo", "fsdp2", ["--learning_rate", "1e-3", "--adaptive_kl", "true", "--kl_target", "0.5"]),
     "rloo-ddp": ("rloo", "ddp", ["--num_generations", "4", "--learning_rate", "1e-2"]),
+    # the two that divide by the step's tokens, every rank's rows counted (DAPO, the GRPO default, divides by the
+    # rollout's tokens over the steps): GRPO with BNPO and REINFORCE, which also whitens its advantages over the
+    # whole rollout and carries a moving-average baseline across updates
+    "grpo-ddp-bnpo": ("grpo", "ddp", ["--num_generations", "4", "--learning_rate", "1e-2", "--loss_type", "bnpo"]),
+    "reinforce-ddp": ("reinforce", "ddp", ["--learning_rate", "1e-2", "--baseline", "moving_average",
+                                           "--normalize_advantages", "true"]),
     # rank 0's generator process samples every rollout with weights one update old (rollout/async_generator.py)
     "grpo-ddp-async": ("grpo", "ddp", ["--num_generations", "4", "--learning_rate", "1e-2", "--async_generation",
                                        "true", "--max_staleness", "1"]),
@@ -56,6 +62,9 @@ RUNS = {  # name -> (stage, strategy, the stage's own arguments)
     "grpo-ddp-dynamic": ("grpo", "ddp", ["--num_generations", "4", "--learning_rate", "1e-2", "--dynamic_sampling",
                                          "true", "--max_refill_rounds", "2"]),
 }
+# the runs whose answers must have several lengths (the plain tiny model's are all cut at 6 tokens, where BNPO's
+# step tokens equal DAPO's rollout tokens over steps): they start from tinyhf.save_eos_prone_model's policy
+EOS_PRONE = {"grpo-ddp-bnpo", "reinforce-ddp"}
 ASYNC_CLOCKS = ("async/wait_s", "async/generator_s")  # the generator's and the wait's seconds
 # one update of one minibatch (2 micro-batches a rank) under bf16 autocast, in the same launch: the first step's
 # ratio is exactly 1 and KL exactly 0 whatever the world size (DESIGN.md); name -> (RUNS entry, extra flags)
@@ -66,6 +75,8 @@ FIRST_STEP_BF16 = {f"{name}-bf16": (name, ["--bf16", "--num_mini_batches", "1", 
 
 def run_args(name: str, policy_dir: str, reward: str, out: Path, strategy: str | None = None) -> list[str]:
     stage, default, extra = RUNS[name]
+    if name in EOS_PRONE:
+        policy_dir = str(Path(policy_dir).with_name("eos_prone"))
     return [stage, "--model", policy_dir, "--output_dir", str(out), "--reward_fn", reward, "--batch_size", "8",
             "--num_mini_batches", "2", "--gradient_accumulation_steps", "2", "--response_length", "6",
             "--max_new_tokens", "6", "--total_episodes", "24", "--eval_every", "0", "--eval_prompts", "2",
@@ -143,6 +154,7 @@ def assert_same_metrics(one: Path, two: Path, loose: tuple[str, ...] = ()) -> No
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("ranks")
     policy_dir = save_suite_model(root / "policy")
+    save_eos_prone_model(policy_dir, root / "eos_prone")  # run_args: EOS_PRONE's runs
     (root / "digits.py").write_text(REWARD)
     return root, policy_dir, f"{root / 'digits.py'}:digits"
 
@@ -166,7 +178,8 @@ def one_process(setup):
     """The same configs in this process (the single-process path); strategy is ignored in one process."""
     root, policy_dir, reward = setup
     out = root / "one"
-    for name in ("grpo-ddp", "ppo-ddp", "rloo-ddp", "grpo-ddp-async", "grpo-ddp-dynamic"):
+    for name in ("grpo-ddp", "ppo-ddp", "rloo-ddp", "grpo-ddp-bnpo", "reinforce-ddp", "grpo-ddp-async",
+                 "grpo-ddp-dynamic"):
         train_here(run_args(name, policy_dir, reward, out / one_of(name)))
     return out
 
@@ -188,6 +201,18 @@ def test_two_processes_train_what_one_process_trains(two_processes, one_process,
     summary = json.loads((work / name / "summary.json").read_text())
     assert summary["parallel"]["world_size"] == 2 and summary["parallel"]["strategy"] == strategy
     assert summary["updates"] == 3 and summary["episodes"] == 24  # global batches: 3 x 8 answers, not 3 x 16
+
+
+def test_the_bnpo_leg_sees_answers_of_several_lengths_where_dapo_trains_otherwise(setup, two_processes, tmp_path):
+    """Not vacuous: BNPO's per-step token count differs from DAPO's rollout tokens over steps only when answers
+    differ in length; with them, DAPO on the same policy ends with other weights."""
+    root, policy_dir, reward = setup
+    lengths = [row["response/length_mean"] for row in metrics(two_processes[0] / "grpo-ddp-bnpo")
+               if "response/length_mean" in row]
+    assert lengths and min(lengths) < 6.0  # some answers ended with EOS before the cap of 6
+    args = run_args("grpo-ddp-bnpo", policy_dir, reward, tmp_path / "dapo")
+    train_here([*args[:args.index("--loss_type")], *args[args.index("--loss_type") + 2:]])
+    assert max_weight_difference(tmp_path / "dapo", two_processes[0] / "grpo-ddp-bnpo") > 1e-4
 
 
 def test_two_trainer_processes_train_on_rollouts_of_one_generator_at_most_one_update_stale(two_processes):

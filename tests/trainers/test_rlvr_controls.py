@@ -14,7 +14,7 @@ from critic_free import (GROUPS_WITH_FAILURES, check_accumulation_equivalence, g
                          spread_score, tiny, update_rows, whole_step)
 from runcheck import assert_same_weights, metrics
 from safetensors.torch import load_file
-from tinyhf import save_suite_model
+from tinyhf import save_eos_prone_model, save_suite_model
 
 from rlhflab import tasks
 from rlhflab.checkpoint import complete_checkpoints
@@ -42,21 +42,7 @@ def policy_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def eos_prone_dir(policy_dir, tmp_path_factory):
-    """The tiny policy with its EOS row turned towards the mean final hidden state: at response_length 6 some of its
-    answers end with EOS and some are cut (the plain tiny model's almost never end: EOS is 1 token in 256)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model, tokenizer = AutoModelForCausalLM.from_pretrained(policy_dir), AutoTokenizer.from_pretrained(policy_dir)
-    prompts = [item.prompt for item in tasks.build_splits(0, 22, 11, 11)["train"]]
-    with torch.no_grad():
-        hidden = torch.cat([model.model(input_ids=torch.tensor([tokenizer(p)["input_ids"]])).last_hidden_state[0]
-                            for p in prompts])
-        mean = hidden.mean(dim=0)
-        model.lm_head.weight[tokenizer.eos_token_id] = 2.0 * mean / mean.norm()
-    folder = tmp_path_factory.mktemp("eos_prone")
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return str(folder)
+    return save_eos_prone_model(policy_dir, tmp_path_factory.mktemp("eos_prone"))
 
 
 def config(method: str, policy_dir, **overrides):
