@@ -130,3 +130,19 @@ def test_what_online_dpo_accepts_at_the_edges():
                                         gradient_accumulation_steps=2, sampler_correction="none", num_iterations=3))
     assert unit.samples_per_prompt == 2 and unit.epochs == 3
     online_dpo.OnlineDPO(dpo_cfg(sampler_correction="auto", loss_type="ipo", label_smoothing=0.0))
+
+
+def test_train_and_check_config_hand_the_unit_and_everything_to_the_loop(monkeypatch):
+    seen = {}
+    monkeypatch.setattr(online_dpo, "train_online", lambda *args: seen.setdefault("args", args))
+    run, reward_fn, monitor, given = object(), object(), object(), object()
+    cfg = dpo_cfg()
+    online_dpo.train(cfg, run, reward_fn, monitor, given)
+    got = seen["args"]
+    assert got[0] is cfg and isinstance(got[1], online_dpo.OnlineDPO) and got[1].cfg is cfg
+    assert got[2:] == (run, reward_fn, monitor, given)
+    with pytest.raises(UserInputError, match="num_generations must be >= 2"):
+        online_dpo.check_config(dpo_cfg(num_generations=1))
+    with pytest.raises(UserInputError, match="num_mini_batches"):
+        online_dpo.check_config(dpo_cfg(batch_size=6, num_mini_batches=4))
+    online_dpo.check_config(dpo_cfg())

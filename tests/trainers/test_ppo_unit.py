@@ -82,6 +82,18 @@ def test_advantages_are_gae_of_the_kl_penalised_rewards_with_gamma_and_lam_by_ha
     assert "completions/masked_truncated" not in adv.metrics
 
 
+@pytest.mark.parametrize("garbage", [float("nan"), float("-inf")])
+def test_non_finite_log_probs_past_the_mask_reach_no_advantage_and_no_kl_coefficient(garbage):
+    batch = scored()
+    batch.rollout.ref_logprobs[~batch.mask] = garbage
+    unit = ppo.PPO(ppo_cfg(adaptive_kl=True, kl_target=0.1, kl_horizon=30, kl_estimator="k3"))
+    adv = unit.advantages(batch)
+    expected, _, _ = naive_advantages(0.1, 0.9, 0.8, "k3")
+    assert torch.allclose(adv.advantages, expected, atol=1e-6)
+    unit.after_update(batch)
+    assert math.isfinite(unit.kl_ctl.value) and unit.kl_ctl.value != 0.1
+
+
 def test_a_row_the_reward_failed_on_is_out_of_the_advantages_and_the_reward_means():
     adv = ppo.PPO(ppo_cfg()).advantages(scored(valid=(True, False, True)))
     expected, _, penalties = naive_advantages(0.1, 0.9, 0.8)
@@ -161,6 +173,38 @@ def test_the_loss_is_the_clipped_surrogate_plus_vf_coef_times_the_clipped_value_
         assert stats["policy/clipfrac"] > 0
 
 
+def test_a_micro_batch_of_some_rows_in_another_order_reads_those_rows_everywhere():
+    cfg = ppo_cfg(vf_coef=0.3, cliprange=0.1, cliprange_value=0.05)
+    unit, batch = ppo.PPO(cfg), scored()
+    adv = unit.advantages(batch)
+    idx = torch.tensor([2, 0])
+    logprobs = batch.rollout.logprobs[idx] + torch.tensor([[0.3, 0.0, 0.0], [-0.3, 0.2, 0.0]])
+    values = batch.rollout.values[idx] + torch.tensor([[0.4, 0.0, 0.0], [-0.2, 0.1, 0.0]])
+    loss, _ = unit.loss(logprobs, values, batch, adv, idx, share_of(batch, 10.0))
+    mask = batch.mask[idx]
+    pg, _ = core.ppo_policy_loss(logprobs, batch.rollout.logprobs[idx], adv.advantages[idx], mask, 0.1)
+    vf, _ = core.clipped_value_loss(values, batch.rollout.values[idx], adv.returns[idx], mask, 0.05)
+    assert loss.item() == pytest.approx(((pg + 0.3 * vf) * float(mask.sum()) / 10.0).item(), abs=1e-6)
+
+
+def test_the_entropy_bonus_is_minus_coef_times_the_step_s_mean_entropy_and_off_in_the_warm_up():
+    entropy = torch.tensor([[1.0, 2.0, 50.0], [0.5, 0.5, 1.0], [3.0, 50.0, 50.0]])  # 50: past the mask
+    idx = torch.tensor([0, 2])
+    for warmup in (0, 1):
+        plain, bonus = ppo.PPO(ppo_cfg(value_warmup_rollouts=warmup)), ppo.PPO(
+            ppo_cfg(entropy_coef=0.1, value_warmup_rollouts=warmup))
+        batch = scored()
+        losses = []
+        for unit in (plain, bonus):
+            adv = unit.advantages(batch)
+            logprobs = batch.rollout.logprobs[idx] + 0.1
+            losses.append(unit.loss(logprobs, batch.rollout.values[idx], batch, adv, idx, share_of(batch, 6.0),
+                                    entropy=entropy[idx])[0].item())
+        # rows 0 and 2: entropies 1 + 2 + 3 over the step's 6 real tokens (rows 0, 1, 2: 2 + 3 + 1)
+        expected = 0.0 if warmup else -0.1 * 6.0 / 6.0
+        assert losses[1] - losses[0] == pytest.approx(expected, abs=1e-6)
+
+
 def test_a_critic_warm_up_rollout_trains_the_value_alone_then_the_policy_joins():
     cfg = ppo_cfg(value_warmup_rollouts=1, vf_coef=0.5)
     unit, batch = ppo.PPO(cfg), scored()
@@ -216,24 +260,33 @@ def test_state_round_trip_keeps_the_kl_coefficient_and_the_rollouts_trained():
     resumed = ppo.PPO(cfg)
     resumed.load_state_dict(unit.state_dict())
     assert resumed.kl_ctl.value == unit.kl_ctl.value != 0.1 and resumed.updates == 2
+    adaptive = ppo_cfg(use_adaptive_entropy=True)
+    measured = ppo.PPO(adaptive)
+    measured.entropy.adaptive.update(0.05)
+    again = ppo.PPO(adaptive)
+    again.load_state_dict(measured.state_dict())
+    assert again.entropy.adaptive.state_dict() == measured.entropy.adaptive.state_dict()
+    assert again.entropy.adaptive.entropy == 0.05
     older = {k: v for k, v in unit.state_dict().items() if k != "updates"}  # before the warm-up existed
     resumed.load_state_dict(older)
     assert resumed.updates == 0
 
 
 def test_the_value_head_takes_its_own_learning_rate_or_the_policy_s():
-    head, trunk, frozen = torch.nn.Linear(2, 1), torch.nn.Linear(2, 2), torch.nn.Parameter(torch.zeros(1),
-                                                                                          requires_grad=False)
+    head, trunk = torch.nn.Linear(2, 1), torch.nn.Linear(2, 2)
+    extra = torch.nn.Parameter(torch.zeros(1))
     roles = SimpleNamespace(value_head=head, value_model=None,
-                            trainable_parameters=lambda: [*trunk.parameters(), *head.parameters()])
+                            trainable_parameters=lambda: [*trunk.parameters(), extra, *head.parameters()])
     groups = ppo.PPO(ppo_cfg(learning_rate=1e-5, value_head_learning_rate=3e-3)).param_groups(roles)
-    assert [len(g["params"]) for g in groups] == [2, 2] and groups[1]["lr"] == 3e-3 and "lr" not in groups[0]
+    assert [id(p) for p in groups[0]["params"]] == [id(trunk.weight), id(trunk.bias), id(extra)]
+    assert [id(p) for p in groups[1]["params"]] == [id(head.weight), id(head.bias)]
+    assert groups[1]["lr"] == 3e-3 and "lr" not in groups[0]
     assert ppo.PPO(ppo_cfg(learning_rate=1e-5, value_head_learning_rate=0.0)).param_groups(roles)[1]["lr"] == 1e-5
     separate = SimpleNamespace(value_head=None, value_model=SimpleNamespace(value_head=head))
     assert ppo.value_head_parameters(separate) == list(head.parameters())
     head.bias.requires_grad_(False)
     assert ppo.value_head_parameters(separate) == [head.weight]
-    assert ppo.value_head_parameters(SimpleNamespace(value_head=None, value_model=None)) == [] and frozen is not None
+    assert ppo.value_head_parameters(SimpleNamespace(value_head=None, value_model=None)) == []
 
 
 def test_ratio_variance_of_one_real_token_is_zero():
@@ -242,36 +295,78 @@ def test_ratio_variance_of_one_real_token_is_zero():
     assert ppo.masked_var_of(torch.tensor([[1.0, 3.0]]), torch.tensor([[True, True]])).item() == pytest.approx(2.0)  # unbiased
 
 
-@pytest.mark.parametrize("fields, match", [
-    ({"num_ppo_epochs": 0}, "num_ppo_epochs must be > 0"),
-    ({"adaptive_kl": True, "kl_target": 0.0}, "adaptive_kl needs kl_target > 0"),
-    ({"adaptive_kl": True, "kl_horizon": 0}, "adaptive_kl needs kl_target > 0"),
-    ({"value_head_learning_rate": -1e-3}, "must be >= 0"),
-    ({"value_warmup_rollouts": -1}, "must be >= 0"),
-    ({"value_mode": "lora_adapter", "lora_r": 0}, "lora_adapter needs a LoRA policy"),
-    ({"value_step": "after_policy", "value_mode": "shared"}, "value_step=after_policy steps a separate"),
+NO_LORA = ("value_mode=lora_adapter needs a LoRA policy", "--value_mode", "set --lora_r 8 (or more)")
+NOT_SEPARATE = ("value_step=after_policy steps a separate value model after the policy; value_mode=shared trains the "
+                "critic on the policy's own weights", "--value_step", "use --value_mode separate, or --value_step joint")
+NEGATIVE_CRITIC = ("value_head_learning_rate and value_warmup_rollouts must be >= 0",
+                   "--value_head_learning_rate / --value_warmup_rollouts", "0 = learning_rate / no warm-up")
+NO_TARGET = ("adaptive_kl needs kl_target > 0 and kl_horizon > 0", "--kl_target / --kl_horizon", None)
+
+
+@pytest.mark.parametrize("fields, what, where, fix", [
+    ({"num_ppo_epochs": 0}, "num_ppo_epochs must be > 0, got 0", "--num_ppo_epochs", None),
+    ({"adaptive_kl": True, "kl_target": 0.0}, *NO_TARGET),
+    ({"adaptive_kl": True, "kl_horizon": 0}, *NO_TARGET),
+    ({"value_head_learning_rate": -1e-3}, *NEGATIVE_CRITIC),
+    ({"value_warmup_rollouts": -1}, *NEGATIVE_CRITIC),
+    ({"value_mode": "lora_adapter", "lora_r": 0}, *NO_LORA),
+    ({"value_step": "after_policy", "value_mode": "shared"}, *NOT_SEPARATE),
 ])
-def test_what_ppo_refuses(fields, match):
-    with pytest.raises(UserInputError, match=match):
+def test_what_ppo_refuses_names_the_flag_and_the_fix(fields, what, where, fix):
+    with pytest.raises(UserInputError) as refused:
         ppo.PPO(ppo_cfg(**fields))
+    assert (refused.value.what, refused.value.where, refused.value.fix) == (what, where, fix)
 
 
 def test_what_ppo_accepts_at_the_edges(caplog):
     ppo.PPO(ppo_cfg(num_ppo_epochs=1, kl_target=0.0, kl_horizon=0))  # the targets are read only when adaptive
-    ppo.PPO(ppo_cfg(value_head_learning_rate=0.0, value_warmup_rollouts=0, value_mode="lora_adapter", lora_r=4))
+    ppo.PPO(ppo_cfg(adaptive_kl=True, kl_target=0.01, kl_horizon=1))
+    ppo.PPO(ppo_cfg(value_head_learning_rate=0.0, value_warmup_rollouts=0, value_mode="lora_adapter", lora_r=1))
     ppo.PPO(ppo_cfg(value_mode="separate", value_step="after_policy"))
+    unit = ppo.PPO(ppo_cfg(num_ppo_epochs=3))
+    assert unit.epochs == 3 and unit.entropy_in_loss is False and unit.updates == 0
+    assert ppo.PPO(ppo_cfg(entropy_coef=0.01)).entropy_in_loss is True
+
+
+@pytest.mark.parametrize("warmup, episodes, batch_size, warns", [
+    (2, 6, 3, True),  # 2 updates, both critic-only
+    (2, 7, 3, True),  # 7 // 3 = 2 updates: the remainder is no update
+    (1, 6, 3, False),
+    (2, 3, 1, False),  # 3 updates of 1 prompt
+])
+def test_a_warm_up_as_long_as_the_run_is_warned_about(caplog, warmup, episodes, batch_size, warns):
     with caplog.at_level("WARNING", logger="rlhflab"):
-        ppo.PPO(ppo_cfg(value_warmup_rollouts=2, total_episodes=6, batch_size=3))  # 2 updates: never trains
-    assert "the policy never trains" in caplog.text
-    caplog.clear()
-    with caplog.at_level("WARNING", logger="rlhflab"):
-        ppo.PPO(ppo_cfg(value_warmup_rollouts=1, total_episodes=6, batch_size=3))
-    assert "never trains" not in caplog.text
+        ppo.PPO(ppo_cfg(value_warmup_rollouts=warmup, total_episodes=episodes, batch_size=batch_size))
+    messages = [r.getMessage() for r in caplog.records]
+    expected = f"value_warmup_rollouts {warmup} >= the run's {episodes // batch_size} updates: the policy never trains"
+    assert messages == ([expected] if warns else [])
+
+
+def test_check_config_refuses_what_the_online_checks_and_the_unit_refuse():
+    with pytest.raises(UserInputError, match="num_ppo_epochs must be > 0"):
+        ppo.check_config(ppo_cfg(num_ppo_epochs=0))
+    with pytest.raises(UserInputError, match="num_mini_batches"):
+        ppo.check_config(ppo_cfg(batch_size=4, num_mini_batches=3))
+    ppo.check_config(ppo_cfg(batch_size=4, num_mini_batches=2, gradient_accumulation_steps=1))
 
 
 def test_after_policy_is_refused_under_several_processes(monkeypatch):
     monkeypatch.setattr(ppo.parallel, "launched_ranks", lambda: (0, 2))
-    with pytest.raises(UserInputError, match="runs in one process; this run has 2"):
+    with pytest.raises(UserInputError) as refused:
         ppo.check_value_step(ppo_cfg(value_mode="separate", value_step="after_policy"))
+    assert (refused.value.what, refused.value.where, refused.value.fix) == (
+        "value_step=after_policy runs in one process; this run has 2", "--value_step",
+        "use --value_step joint with several processes")
     monkeypatch.setattr(ppo.parallel, "launched_ranks", lambda: (0, 1))
     ppo.check_value_step(ppo_cfg(value_mode="separate", value_step="after_policy"))
+
+
+def test_train_hands_the_run_reward_monitor_and_given_to_the_loop(monkeypatch):
+    seen = {}
+    monkeypatch.setattr(ppo, "train_online", lambda *args: seen.setdefault("args", args))
+    run, reward_fn, monitor, given = object(), object(), object(), object()
+    cfg = ppo_cfg()
+    ppo.train(cfg, run, reward_fn, monitor, given)
+    got = seen["args"]
+    assert got[0] is cfg and isinstance(got[1], ppo.PPO) and got[1].cfg is cfg
+    assert got[2:] == (run, reward_fn, monitor, given)
