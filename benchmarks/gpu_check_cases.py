@@ -299,7 +299,8 @@ def run_row(row: Row, work: Path, setting: Setting, shape: Shape) -> dict:
         shutil.rmtree(work / "runs" / row.key, ignore_errors=True)  # a full model folder is GBs; the disk is not
     measured = online_figures(metrics, cfg, setting, shape, row) if row.method in ONLINE else \
         offline_figures(metrics, setting, shape, row)
-    last = metrics[-1]
+    # fp16's scaler state from the last row that has it (the last row of all may be an evaluation's)
+    last = next((m for m in reversed(metrics) if "amp/scale" in m), {})
     return {**measured, "row_wall_s": time.perf_counter() - started,
             "peak_allocated_bytes": torch.cuda.max_memory_allocated() if cuda else None,
             "peak_reserved_bytes": torch.cuda.max_memory_reserved() if cuda else None,
