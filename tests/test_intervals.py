@@ -5,8 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from rlhflab.intervals import (Interval, clopper_pearson, mcnemar_p, paired_counts, paired_difference, percent, points,
-                               rate_interval, unpaired_difference, verdict, wilson)
+from rlhflab.intervals import (Interval, _log_pmf, binomial_cdf, clopper_pearson, difference_from_dict, mcnemar_p,
+                               paired_counts, paired_difference, percent, points, rate_from_dict, rate_interval,
+                               unpaired_difference, verdict, wilson)
 
 Z = 1.959963984540054
 
@@ -22,7 +23,7 @@ def test_wilson_against_hand_worked_values():
     assert half.high - 0.5 == pytest.approx(0.0562, abs=1e-4) and wilson(50, 100).high - 0.5 == pytest.approx(0.0962, abs=1e-4)
     assert rate_interval(0.39, 100) == wilson(39, 100)
     assert math.isnan(wilson(0, 0).estimate) and (wilson(0, 0).low, wilson(0, 0).high) == (0.0, 1.0)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"successes must be in \[0, 10\], got 11"):
         wilson(11, 10)
 
 
@@ -135,3 +136,72 @@ def test_sweep_table_judges_every_value_against_the_best_with_the_same_rule():
     assert "62.0% [56.4–67.3]" in text and "best" in text
     assert text.splitlines()[-1].startswith("cliprange=0.2 has the best held-out number; better beyond noise than 0.1; "
                                             "within noise of 0.3")
+
+
+# --- the edges (issue 36: mutants of intervals.py that the cases above let through) ---------------------------------
+
+
+def test_a_stored_rate_of_zero_or_one_is_rebuilt_as_zero_or_every_prompt():
+    assert rate_interval(0.0, 300) == wilson(0, 300) and rate_interval(0.0, 300).estimate == 0.0  # not 1 / 300
+    assert rate_interval(1.0, 300) == wilson(300, 300)
+    assert rate_interval(1.2, 10) == wilson(10, 10) and rate_interval(-0.1, 10) == wilson(0, 10)  # clamped counts
+    assert rate_from_dict(wilson(7, 10).as_rate()) == wilson(7, 10)
+    assert difference_from_dict(paired_difference(3, 1, 6).as_difference()) == paired_difference(3, 1, 6)
+    for bad in (None, [], {"rate": 0.5, "low": 0.4, "high": 0.6}, {"rate": True, "low": 0.0, "high": 1.0, "n": 3},
+                {"rate": None, "low": 0.0, "high": 1.0, "n": 3}, {"rate": "0.5", "low": 0.0, "high": 1.0, "n": 3}):
+        assert rate_from_dict(bad) is None, bad
+
+
+def test_every_prompt_flipping_is_a_valid_pair_of_counts():
+    # 4 fixed, 6 broken of 10: a + d = 1 after adding the halves; centre (4.5 - 6.5) / 12, se sqrt(11 - 4/12) / 12
+    flips = paired_difference(4, 6, 10)
+    assert flips.estimate == pytest.approx(-0.2)
+    assert (flips.low, flips.high) == pytest.approx((-1 / 6 - Z * math.sqrt(32 / 3) / 12, -1 / 6 + Z * math.sqrt(32 / 3) / 12))
+    assert (flips.low, flips.high) == pytest.approx((-0.70010, 0.36677), abs=1e-5)
+    # all 10 fixed: centre 10 / 12, se sqrt(11 - 100/12) / 12; the upper end clamped to 1, and the reverse to -1
+    every = paired_difference(10, 0, 10)
+    assert (every.estimate, every.high) == (1.0, 1.0) and every.low == pytest.approx(10 / 12 - Z * math.sqrt(8 / 3) / 12)
+    worst = paired_difference(0, 10, 10)
+    assert (worst.estimate, worst.low) == (-1.0, -1.0) and worst.high == pytest.approx(-every.low)
+    one = paired_difference(0, 0, 1)  # a single shared prompt is an interval, not "no data": ±z / 3
+    assert (one.estimate, one.low, one.high, one.n) == (0.0, pytest.approx(-Z / 3), pytest.approx(Z / 3), 1)
+    empty = paired_difference(0, 0, 0)
+    assert math.isnan(empty.estimate) and (empty.low, empty.high, empty.n) == (-1.0, 1.0, 0)
+    for fixed, broken, n in [(4, 3, 5), (-1, 2, 5), (2, -1, 5), (6, 0, 5)]:
+        with pytest.raises(ValueError, match=f"fixed {fixed} \\+ broken {broken} must be counts within n = {n}"):
+            paired_difference(fixed, broken, n)
+
+
+def test_unpaired_difference_of_an_empty_sample_is_uninformative_and_of_one_prompt_is_not():
+    for before, after in [(wilson(0, 0), wilson(3, 10)), (wilson(3, 10), wilson(0, 0))]:
+        empty = unpaired_difference(before, after)
+        assert math.isnan(empty.estimate) and (empty.low, empty.high, empty.n) == (-1.0, 1.0, 0)
+    stored = Interval(0.5, 0.2, 0.8, 0)  # a rate read back from a summary.json with n = 0: no interval either
+    for before, after in [(stored, wilson(3, 10)), (wilson(3, 10), stored)]:
+        empty = unpaired_difference(before, after)
+        assert math.isnan(empty.estimate) and (empty.low, empty.high, empty.n) == (-1.0, 1.0, 0)
+    assert unpaired_difference(wilson(3, 10), wilson(1, 1)).n == 1
+    one = unpaired_difference(wilson(1, 1), wilson(3, 10))  # Newcombe from the two Wilson intervals, n the smaller
+    assert one.estimate == pytest.approx(-0.7) and one.n == 1
+    assert one.low == pytest.approx(-0.7 - math.sqrt((0.3 - wilson(3, 10).low) ** 2 + (1.0 - 1.0) ** 2))
+    assert one.high == pytest.approx(-0.7 + math.sqrt((wilson(3, 10).high - 0.3) ** 2 + (1 - wilson(1, 1).low) ** 2))
+
+
+def test_the_exact_pieces_at_their_ends():
+    assert _log_pmf(0, 5, 0.0) == 0.0 and _log_pmf(1, 5, 0.0) == -math.inf  # p = 0: surely no success
+    assert _log_pmf(5, 5, 1.0) == 0.0 and _log_pmf(4, 5, 1.0) == -math.inf  # p = 1: surely all
+    assert _log_pmf(2, 4, 0.5) == pytest.approx(math.log(6 / 16))
+    assert binomial_cdf(-1, 5, 0.5) == 0.0 and binomial_cdf(2, 4, 0.5) == pytest.approx(11 / 16)
+    assert binomial_cdf(7, 7, 0.3) == 1.0  # exactly: the sum of the 8 terms is 0.9999999999999998
+    assert binomial_cdf(6, 7, 0.002) == 1.0  # clamped: the sum of the 7 terms is 1.0000000000000002
+    assert binomial_cdf(0, 3, 0.0) == 1.0 and binomial_cdf(2, 3, 1.0) == 0.0
+    assert clopper_pearson(0, 0) == (0.0, 1.0)
+    assert clopper_pearson(0, 5)[0] == 0.0 and clopper_pearson(5, 5)[1] == 1.0  # exact ends, not 1e-14 off
+    assert mcnemar_p(2, 2) == 1.0 and mcnemar_p(1, 0) == 1.0  # 2 x 11/16 clamped to 1
+
+
+def test_an_interval_touching_zero_is_within_noise_and_a_rounded_zero_has_no_sign():
+    assert verdict(Interval(0.1, 0.0, 0.2, 10)) == "within noise"  # "better" only strictly above 0
+    assert verdict(Interval(-0.1, -0.2, 0.0, 10)) == "within noise"
+    assert points(Interval(-0.0004, -0.0004, -0.0, 1)) == "+0.0 pts [+0.0, +0.0]"  # -0.04 points rounds to 0
+

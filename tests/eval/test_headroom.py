@@ -237,3 +237,106 @@ def test_online_probe_fields_are_checked_before_loading(tmp_path):
     for field in ("headroom_prompts", "headroom_samples"):
         with pytest.raises(UserInputError, match=f"{field} must be >= 0"):
             check_online_config(PPOConfig(model=str(tmp_path), **{field: -5}))
+
+
+# --- the edges (issue 36: mutants of trainers/headroom.py and eval/headroom.py that the cases above let through) ------
+
+
+def hand_probe() -> dict:
+    rows = [PromptRow("a", {"family": "yes_no"}), PromptRow("b", {"family": "sum_result"}),
+            PromptRow("c", {"family": "yes_no"})]
+    return {"split": "validation", "prompts": 3, "samples_per_prompt": 2, "temperature": 0.7, "seconds": 1.25,
+            **probe_from_verdicts(rows, [True, False, False], [[True, True], [False, False], [True, False]])}
+
+
+def test_the_console_table_of_a_probe():
+    assert format_headroom(hand_probe()).splitlines() == [
+        "headroom probe: 3 validation prompts, 2 samples each at temperature 0.7 (1.2 s)",
+        "headroom     greedy  sampled   pass@2",
+        "-" * 37,
+        "sum_result       0%       0%       0%   (n=1)   no headroom",
+        "yes_no          50%      75%     100%   (n=2)",
+        "-" * 37,
+        "overall         33%      50%      67%   (n=3)",
+        "sum_result: 0 of 2 samples pass on any of its 1 prompt — " + ZERO_WORDS]
+
+
+def test_the_online_loop_probes_its_first_validation_prompts_when_asked(monkeypatch, caplog):
+    import logging
+    from types import SimpleNamespace
+
+    from rlhflab.trainers import headroom
+
+    calls = []
+    monkeypatch.setattr(headroom, "probe_headroom", lambda *args, **kw: calls.append((args, kw)) or hand_probe())
+
+    class Run:
+        written = []
+
+        def write_json(self, name, payload):
+            self.written.append((name, payload))
+
+    rows = suite_rows("validation", 6)
+    cfg = SimpleNamespace(headroom_samples=4, headroom_prompts=0, eval_prompts=3, temperature=0.9, response_length=7,
+                          eval_batch_size=5, seed=11)
+    run, verifier = Run(), FamilyVerifier(set())
+    with caplog.at_level(logging.INFO, logger="rlhflab"):
+        probe = headroom.record_start_headroom("policy", "tokenizer", rows, verifier, cfg, run)
+    assert probe == hand_probe() and run.written == [("headroom.json", probe)]
+    (args, kw), = calls
+    assert args == ("policy", "tokenizer", rows[:3], verifier)  # headroom_prompts 0: the eval_prompts ones
+    assert kw == {"samples_per_prompt": 4, "temperature": 0.9, "max_new_tokens": 7, "batch_size": 5, "seed": 11}
+    assert "headroom probe: 3 validation prompts" in caplog.text
+    calls.clear()
+    headroom.record_start_headroom("policy", "tokenizer", rows, verifier, SimpleNamespace(**{**vars(cfg),
+                                   "headroom_prompts": 5}), run)
+    assert calls[0][0][2] == rows[:5]
+    with caplog.at_level(logging.INFO, logger="rlhflab"):
+        assert headroom.record_start_headroom("p", "t", rows, None, cfg, run) is None
+        assert "headroom probe skipped: no verifier says which answers pass" in caplog.text
+        no_prompts = SimpleNamespace(**{**vars(cfg), "eval_prompts": 0})
+        assert headroom.record_start_headroom("p", "t", rows, verifier, no_prompts, run) is None
+        assert "no validation prompts (eval_prompts 0; set --headroom_prompts N to probe)" in caplog.text
+    assert headroom.record_start_headroom("p", "t", [], verifier, cfg, run) is None
+    assert headroom.record_start_headroom("p", "t", rows, verifier, SimpleNamespace(**{**vars(cfg), "headroom_samples": 0}),
+                                          run) is None
+    assert len(calls) == 1 and len(run.written) == 2
+
+
+def test_the_probe_needs_a_sample_and_a_prompt(policy_dir):
+    with pytest.raises(ValueError, match="needs >= 1 sample and >= 1 prompt, got 0, 1"):
+        probe_headroom(None, None, suite_rows("validation", 1), FamilyVerifier(set()), samples_per_prompt=0,
+                       temperature=1.0, max_new_tokens=2)
+    with pytest.raises(ValueError, match="got 2, 0"):
+        probe_headroom(None, None, [], FamilyVerifier(set()), samples_per_prompt=2, temperature=1.0, max_new_tokens=2)
+
+
+def test_eval_probes_a_saved_model_into_its_run_folder(policy_dir, tmp_path):
+    from rlhflab.config import EvalConfig
+    from rlhflab.eval.headroom import check_headroom_fields, probe_saved_model
+    from rlhflab.errors import UserInputError
+    from rlhflab.tracking import RunDir
+
+    RunDir(tmp_path / "ev").close()
+    cfg = EvalConfig(model=policy_dir, num_train_prompts=22, num_validation_prompts=11, num_test_prompts=11,
+                     max_new_tokens=2, samples_per_prompt=2, headroom_prompts=3, temperature=0.8, seed=5, threads=1)
+    probe = probe_saved_model(cfg, tmp_path / "ev")
+    assert (probe["split"], probe["prompts"], probe["samples_per_prompt"], probe["temperature"], probe["seed"]) == (
+        "validation", 3, 2, 0.8, 5)
+    assert probe["max_new_tokens"] == 2 and sum(h["prompts"] for h in probe["per_family"].values()) == 3
+    assert json.loads((tmp_path / "ev" / "headroom.json").read_text()) == probe
+    assert json.loads((tmp_path / "ev" / "summary.json").read_text())["headroom"] == probe
+    whole = probe_saved_model(dataclasses_replace(cfg, headroom_prompts=0, headroom_split="test"), tmp_path / "ev")
+    assert (whole["split"], whole["prompts"]) == ("test", 11)
+    for field, value, words in [("samples_per_prompt", 0, "samples_per_prompt must be >= 1, got 0"),
+                                ("headroom_prompts", -1, "headroom_prompts must be >= 0, got -1")]:
+        with pytest.raises(UserInputError, match=words) as refused:
+            check_headroom_fields(dataclasses_replace(cfg, **{field: value}))
+        assert refused.value.where == f"--{field}"
+    check_headroom_fields(dataclasses_replace(cfg, samples_per_prompt=1, headroom_prompts=0))
+
+
+def dataclasses_replace(cfg, **changes):
+    import dataclasses
+
+    return dataclasses.replace(cfg, **changes)

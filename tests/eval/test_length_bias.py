@@ -1,12 +1,15 @@
 """The length-bias probe on reward models whose dependence on length is known exactly."""
 
+import math
+
 import pytest
 import torch
 from torch import nn
 from transformers.modeling_outputs import SequenceClassifierOutput
 
 from rlhflab import models, tasks
-from rlhflab.eval.length_bias import FILLERS, describe, length_bias_probe, repeat_last_sentence
+from rlhflab.eval.length_bias import (FILLERS, appended, change_summary, describe, length_bias_probe,
+                                      repeat_last_sentence)
 
 
 class LengthRM(nn.Module):
@@ -101,3 +104,59 @@ def test_rm_diagnose_reports_the_probe_in_its_summary_and_on_the_console(tokeniz
     assert "length bias: padding the reference answer" in capsys.readouterr().out
     metrics = json.loads((tmp_path / "diag" / "metrics.jsonl").read_text().splitlines()[0])
     assert metrics["length_bias/mean_change"] == pytest.approx(probe["mean_change"])
+
+
+# --- the edges (issue 36: mutants of length_bias.py that the cases above let through) -------------------------------
+
+
+class LastTokenRM(LengthRM):
+    """The score is the id of the last real token: the EOS for every answer when it is appended, else the answer's."""
+
+    def forward(self, input_ids, attention_mask):
+        last = attention_mask.sum(-1, keepdim=True) - 1  # right padding: ModelReward's batches
+        return SequenceClassifierOutput(logits=input_ids.gather(1, last).float())
+
+
+def test_change_summary_hand_worked():
+    summary = change_summary([0.5, -0.25, 0.0, 1.0], [2, 1, 0, 3])
+    assert summary == {"mean_change": 0.3125, "share_raised": 0.5, "mean_added_tokens": 1.5,
+                       "change_per_token": pytest.approx(1.25 / 6)}  # a change of 0 raised nothing
+    empty = change_summary([], [])
+    assert all(math.isnan(v) for v in empty.values()) and list(empty) == list(summary)
+    assert math.isnan(change_summary([0.5], [0])["change_per_token"])  # no token added: no rate
+
+
+def test_the_fillers_and_the_console_line():
+    assert {name: pad("Yes.") for name, pad in FILLERS.items()} == {
+        "hope_this_helps": "Yes. Hope this helps!", "let_me_know": "Yes. Let me know if you need anything else.",
+        "restate": "Yes. I hope this answer is clear and complete.", "repeat_last_sentence": "Yes. Yes."}
+    assert appended("!")("a") == "a!" and repeat_last_sentence("  ") == "  " + " " + "  "  # no sentence: repeated whole
+    assert repeat_last_sentence("A.\nB. C.") == "A.\nB. C.\nC."
+    probe = {"pairs": 8, "mean_change": 0.25, "share_raised": 0.75, "mean_added_tokens": 3.4, "plain_score_std": 0.5}
+    assert describe(probe) == ("length bias: padding the reference answer with filler (~3 tokens) changed the reward by "
+                               "+0.250 on average (+0.50 std of the plain scores); it raised the reward in 75% of 8 pairs")
+    for std in (0.0, float("nan"), float("inf")):
+        assert "std of the plain scores" not in describe({**probe, "plain_score_std": std})
+
+
+def test_the_probe_reads_eos_batches_and_fillers_as_given(tokenizer, items):
+    from rlhflab.rewards import ModelReward
+
+    few = items[:3]
+    prompts, plain = [i.prompt for i in few], [i.reference for i in few]
+    fillers = {"bang": appended(" !")}
+    with_eos = length_bias_probe(LastTokenRM(), tokenizer, few, fillers=fillers, batch_size=1)
+    assert with_eos["fillers"] == ["bang"] and list(with_eos["per_filler"]) == ["bang"] and with_eos["pairs"] == 3
+    assert with_eos["mean_change"] == 0.0 and with_eos["plain_score_std"] == 0.0  # every score is the EOS id
+    bare = length_bias_probe(LastTokenRM(), tokenizer, few, fillers=fillers, append_eos=False)
+    encoded = ModelReward(LastTokenRM(), tokenizer, append_eos=False).encode(prompts, plain)
+    padded = ModelReward(LastTokenRM(), tokenizer, append_eos=False).encode(prompts, [a + " !" for a in plain])
+    changes = [p[-1] - e[-1] for p, e in zip(padded, encoded)]
+    assert bare["mean_change"] == pytest.approx(sum(changes) / 3) and bare["mean_change"] != 0.0
+    assert bare["mean_added_tokens"] == pytest.approx(sum(len(p) - len(e) for p, e in zip(padded, encoded)) / 3)
+    lengths = [len(e) for e in ModelReward(LengthRM(), tokenizer).encode(prompts, plain)]
+    mean = sum(lengths) / 3
+    spread = length_bias_probe(LengthRM(), tokenizer, few, fillers=fillers)["plain_score_std"]
+    assert spread == pytest.approx(math.sqrt(sum((n - mean) ** 2 for n in lengths) / 3)) and spread > 0
+    assert math.isnan(length_bias_probe(LengthRM(), tokenizer, [], fillers=fillers)["plain_score_std"])
+
