@@ -340,3 +340,12 @@ def dataclasses_replace(cfg, **changes):
     import dataclasses
 
     return dataclasses.replace(cfg, **changes)
+
+
+def test_verdict_skips_a_family_without_a_change_and_joins_the_rest_of_a_kind():
+    at_ceiling = {"samples_per_prompt": 4, "pass_at_k": 1.0, "greedy_pass_at_1": 0.95, "status": "ceiling"}
+    probe = {"per_family": {"lists": at_ceiling, "uppercase": at_ceiling, "yes_no": at_ceiling}}
+    level = {"before": 1.0, "after": 1.0, **paired_difference(0, 0, 30).as_difference()}
+    lines = headroom_verdict(probe, {"uppercase": level, "yes_no": level}, "grpo")  # lists: no change measured
+    assert lines == ["grpo: did not move, already passing: little left to gain: uppercase 100% → 100% (+0.0 pts "
+                     "[-6.1, +6.1]), greedy 95%; yes_no 100% → 100% (+0.0 pts [-6.1, +6.1]), greedy 95%"]

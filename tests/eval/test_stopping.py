@@ -151,6 +151,10 @@ def test_run_monitor_from_config_carries_every_bound_and_the_signal():
     assert (rule.patience, rule.min_delta, rule.stop_on, rule.signal) == (4, 0.05, ("length_drift", "mode_collapse"),
                                                                           "val/pass_rate")
     assert monitor.signal == monitor.alarms.history.signal == "val/pass_rate"
+    from rlhflab.trainers.given import Given
+
+    given = RunMonitor.from_config(PPOConfig(verifier="none"), Given(verifier=lambda *a, **k: []))
+    assert given.signal == "val/pass_rate"  # a verifier handed in memory: its pass rate
     reward = RunMonitor.from_config(PPOConfig(verifier="none", stop_patience=1))  # no verifier: the reward
     assert reward.signal == reward.stopping.signal == reward.alarms.history.signal == "val/reward"
     reward.observe(0, {"val/reward": 0.5, "val/pass_rate": 0.9})
@@ -168,3 +172,10 @@ def test_run_monitor_defaults_and_what_observe_returns():
     assert [a["name"] for a in fired] == ["training_health"] and fired[0]["step"] == 1
     assert monitor.fired == fired
     assert monitor.observe(2, {"loss/policy_avg": float("inf")}) == []  # each alarm once
+
+
+def test_the_reason_lists_every_evaluation_since_the_best():
+    rule = StoppingRule(patience=3, min_delta=0.01)
+    stop_step(rule, [0.5, 0.6, 0.6, 0.605, 0.59])
+    assert rule.reason == ("val/pass_rate did not rise by 0.01 over its best 0.6 (step 10) in 3 evaluations: "
+                           "0.6 (step 20), 0.605 (step 30), 0.59 (step 40)")

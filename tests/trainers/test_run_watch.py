@@ -91,10 +91,12 @@ def test_a_monitor_that_must_stop_a_run_stops_it_and_the_best_policy_is_restored
                 break
     assert stopped_at == 3 and watch.stopped["step"] == 3 and watch.stopped["episode"] == 192
     assert "did not rise by 0.01 over its best 0.6 (step 1) in 2 evaluations" in watch.stopped["reason"]
-    assert "stopping early at update 3 (episode 192)" in caplog.text
+    assert caplog.records[-1].getMessage() == f"stopping early at update 3 (episode 192): {watch.stopped['reason']}"
     assert watch.best.step == 1 and watch.best.update_row == update()  # the training row logged at update 1
-    fields = watch.finish(3, 0.55)
+    with caplog.at_level(logging.INFO, logger="rlhflab"):
+        fields = watch.finish(3, 0.55)
     assert roles.weight.item() == 1.0  # update 1's policy is what gets saved
+    assert caplog.records[-1].getMessage() == "restored the policy of update 1 (val/pass_rate 0.600) before saving"
     assert fields["stopped"] == watch.stopped and fields["alarms"] == []
     assert fields["best"] == {"step": 1, "val/pass_rate": 0.6, "restored": True, "update_row": update()}
     assert len(watch.observed) == 7 and watch.observed[1] == (1, update())
@@ -115,7 +117,7 @@ def test_an_alarm_is_logged_once_and_stops_a_run_that_lists_it(caplog):
     # the KL median is above the cap from the 5th update (window 5), for 3 updates in a row (persist 3): update 7
     assert steps[-1] == 7 and run.rows == [(7, {"alarm/reward_hacking": 1})]
     assert [a["name"] for a in watch.alarms] == ["reward_hacking"] and watch.alarms[0]["step"] == 7
-    assert "alarm reward_hacking at update 7" in caplog.text
+    assert caplog.records[0].getMessage() == f"alarm reward_hacking at update 7: {watch.alarms[0]['reason']}"
     assert watch.stopped["reason"].startswith("alarm reward_hacking (stop_on_alarms)")
     assert watch.finish(7, 0.5) == {"alarms": watch.alarms, "stopped": watch.stopped}  # no best without keep_best
 
