@@ -44,3 +44,18 @@ def test_entropy_uniform_and_peaked():
     assert math.isclose(entropy_from_logits(uniform).item(), math.log(8), rel_tol=1e-6)
     peaked = torch.tensor([[[100.0, 0.0, 0.0]]])
     assert entropy_from_logits(peaked).item() < 1e-6
+
+
+def test_shifted_logprobs_apply_temperature():
+    logits = torch.zeros(1, 2, 2)
+    logits[0, 0, 1] = 2.0 * math.log(3.0)  # / T=2 -> [0, ln 3] -> [1/4, 3/4]
+    got = shifted_token_logprobs(logits, torch.tensor([[0, 1]]), temperature=2.0)
+    assert math.isclose(got.item(), math.log(0.75), rel_tol=1e-6)
+
+
+def test_entropy_hand_worked_and_at_a_temperature():
+    # logits [0, ln 3] -> probs [1/4, 3/4]; at T=2 the same logits doubled give them again
+    quarter = -(0.25 * math.log(0.25) + 0.75 * math.log(0.75))
+    assert math.isclose(entropy_from_logits(torch.tensor([[[0.0, math.log(3.0)]]])).item(), quarter, rel_tol=1e-6)
+    doubled = torch.tensor([[[0.0, 2.0 * math.log(3.0)]]])
+    assert math.isclose(entropy_from_logits(doubled, temperature=2.0).item(), quarter, rel_tol=1e-6)

@@ -276,27 +276,33 @@ class Head:
         self.tokens = torch.randint(0, vocab, shape, generator=g)
         self.loss_weights = torch.randn(2, *shape, generator=g)  # a random loss reading log-probs and entropies
 
-    def leaves(self, frozen: bool) -> list[torch.Tensor]:
-        """Fresh leaves: the hidden states always trained; the head (and bias) too unless `frozen` (LoRA)."""
-        hidden = self.hidden.clone().requires_grad_()
-        weight = self.weight.clone().requires_grad_(not frozen)
-        bias = None if self.bias is None else self.bias.clone().requires_grad_(not frozen)
+    def leaves(self, trains: str) -> list[torch.Tensor]:
+        """Fresh leaves, those named in `trains` requiring a gradient: "hidden" alone is a frozen head (LoRA, a
+        reference), "hidden weight bias" full fine-tuning, "hidden bias" a frozen weight with a trained bias."""
+        hidden = self.hidden.clone().requires_grad_("hidden" in trains)
+        weight = self.weight.clone().requires_grad_("weight" in trains)
+        bias = None if self.bias is None else self.bias.clone().requires_grad_("bias" in trains)
         return [hidden, weight, bias]
 
     def full(self, leaves, temperature: float):
         logits = torch.nn.functional.linear(leaves[0], leaves[1], leaves[2])
         return selective_log_softmax(logits, self.tokens, temperature), entropy_from_logits(logits, temperature)
 
-    def grads(self, leaves, logprobs, entropy, with_entropy: bool) -> list[torch.Tensor]:
-        loss = (self.loss_weights[0] * logprobs).sum()
-        if with_entropy:
+    def grads(self, leaves, logprobs, entropy, reads: str) -> list[torch.Tensor]:
+        """Gradients of a loss reading the log-probs, the entropy (an entropy bonus alone) or both."""
+        loss = 0.0
+        if reads in ("logprobs", "both"):
+            loss = loss + (self.loss_weights[0] * logprobs).sum()
+        if reads in ("entropy", "both"):
             loss = loss + (self.loss_weights[1] * entropy).sum()
         return list(torch.autograd.grad(loss, [x for x in leaves if x is not None and x.requires_grad]))
 
 
 HEADS = st.builds(Head, SEEDS, st.tuples(st.integers(1, 3), st.integers(1, 5)), st.integers(1, 6),
                   st.integers(2, 12), st.booleans())
-TEMPERATURES = st.sampled_from([1.0, 1.0, 0.7, 1.6])
+TEMPERATURES = st.sampled_from([1.0, 1.0, 0.7, 1.6, 2.0])
+TRAINS = st.sampled_from(["hidden", "hidden weight bias", "weight bias", "hidden bias", "weight", "bias"])
+READS = st.sampled_from(["logprobs", "entropy", "both"])
 CLOSE = dict(atol=1e-5, rtol=1e-5)
 
 
@@ -307,14 +313,16 @@ def _assert_gradients_close(got, want):
         assert (x - y).abs().max().item() <= 1e-5 * max(1.0, y.abs().max().item())
 
 
-@settings(max_examples=60, deadline=None)
-@given(head=HEADS, chunk=st.integers(1, 17), temperature=TEMPERATURES, frozen=st.booleans(),
-       entropy_grad=st.booleans(), with_entropy=st.booleans())
-def test_chunked_head_equals_the_full_logits_for_any_chunk(head, chunk, temperature, frozen, entropy_grad,
-                                                            with_entropy):
-    """Values, and the gradients of a loss reading the log-probs (and the entropy, when it is differentiable and
-    read): trained head or frozen (whose hidden gradient is formed in the forward), with or without bias."""
-    leaves = head.leaves(frozen)
+@settings(max_examples=80, deadline=None)
+@given(head=HEADS, chunk=st.integers(0, 17), temperature=TEMPERATURES, trains=TRAINS, entropy_grad=st.booleans(),
+       reads=READS)
+def test_chunked_head_equals_the_full_logits_for_any_chunk(head, chunk, temperature, trains, entropy_grad, reads):
+    """Values, and the gradients of a loss reading the log-probs, the entropy (when differentiable) or both, for
+    any leaves trained: the frozen head's hidden gradient is formed in the forward, the others' in the backward.
+    A chunk of 0 is read as 1."""
+    if head.bias is None and trains == "bias":
+        trains = "weight"
+    leaves = head.leaves(trains)
     got = chunked_head_logprobs(leaves[0], leaves[1], head.tokens, chunk=chunk, temperature=temperature,
                                 bias=leaves[2], entropy_grad=entropy_grad)
     want = head.full(leaves, temperature)
@@ -322,14 +330,16 @@ def test_chunked_head_equals_the_full_logits_for_any_chunk(head, chunk, temperat
         assert x.dtype == torch.float32 and x.shape == head.tokens.shape
         torch.testing.assert_close(x, y, **CLOSE)
     assert got[1].requires_grad == entropy_grad
-    with_entropy = with_entropy and entropy_grad
-    _assert_gradients_close(head.grads(leaves, *got, with_entropy), head.grads(leaves, *want, with_entropy))
+    reads = reads if entropy_grad else "logprobs"
+    _assert_gradients_close(head.grads(leaves, *got, reads), head.grads(leaves, *want, reads))
 
 
 @settings(max_examples=30, deadline=None)
-@given(head=HEADS, chunk=st.integers(1, 17), temperature=TEMPERATURES, grad=st.booleans())
-def test_recomputed_head_equals_the_full_logits_for_any_chunk(head, chunk, temperature, grad):
-    leaves = head.leaves(frozen=False)
+@given(head=HEADS, chunk=st.integers(1, 17), temperature=TEMPERATURES, trains=TRAINS, grad=st.booleans())
+def test_recomputed_head_equals_the_full_logits_for_any_chunk(head, chunk, temperature, trains, grad):
+    if head.bias is None and trains == "bias":
+        trains = "weight"
+    leaves = head.leaves(trains)
     layer = lambda h: torch.nn.functional.linear(h, leaves[1], leaves[2])  # noqa: E731
     with torch.set_grad_enabled(grad):
         got = recomputed_head_logprobs(leaves[0], layer, head.tokens, chunk=chunk, temperature=temperature)
@@ -338,4 +348,4 @@ def test_recomputed_head_equals_the_full_logits_for_any_chunk(head, chunk, tempe
         assert x.shape == head.tokens.shape
         torch.testing.assert_close(x, y, **CLOSE)
     if grad:
-        _assert_gradients_close(head.grads(leaves, *got, True), head.grads(leaves, *want, True))
+        _assert_gradients_close(head.grads(leaves, *got, "both"), head.grads(leaves, *want, "both"))
