@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from rlhflab.eval.alarms import ALARM_NAMES, AlarmRules, Alarms, slope
+from rlhflab.eval.alarms import ALARM_NAMES, AlarmRules, Alarms, History, slope, smoothed_score_at
 
 BATCH = 64
 # a healthy update row (tiny runs' typical values); every value gets +-10 % noise
@@ -190,3 +190,22 @@ def test_theil_sen_slope_ignores_one_outlier():
     ys[9] = 1000.0
     assert slope(xs, ys) == pytest.approx(2.0)
     assert slope([1.0, 1.0], [0.0, 5.0]) == 0.0
+
+
+# --- the edges (issue 36: mutants of alarms.py that the cases above let through) -------------------------------------
+
+
+def test_the_score_at_the_best_evaluation_is_the_median_of_the_window_up_to_it():
+    history = History()
+    history.series["objective/scores"] = [(s, float(s)) for s in range(1, 11)]  # the score of update s is s
+    assert smoothed_score_at(history, 7, 5) == 5.0  # updates 3..7, the best evaluation's own update included
+    assert smoothed_score_at(history, 0, 5) == 3.0  # step 0 (before any update): the first 5, 1..5
+    assert smoothed_score_at(history, 2, 5) == 1.5  # only two updates so far
+    assert smoothed_score_at(history, 10, 3) == 9.0
+
+
+def test_theil_sen_slope_hand_worked_on_a_curve_and_a_step():
+    cubes = [0.0, 1.0, 8.0, 27.0, 64.0]  # pairwise slopes 1 4 7 9 13 16 19 21 28 37: median (13 + 16) / 2
+    assert slope([0.0, 1.0, 2.0, 3.0, 4.0], cubes) == 14.5
+    # a jump in the last point: 6 slopes of 0 and 10/4, 10/3, 10/2, 10/1 -> the median is 0
+    assert slope([0.0, 1.0, 2.0, 3.0, 4.0], [0.0, 0.0, 0.0, 0.0, 10.0]) == 0.0

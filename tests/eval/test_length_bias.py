@@ -136,7 +136,9 @@ def test_the_fillers_and_the_console_line():
     assert describe(probe) == ("length bias: padding the reference answer with filler (~3 tokens) changed the reward by "
                                "+0.250 on average (+0.50 std of the plain scores); it raised the reward in 75% of 8 pairs")
     for std in (0.0, float("nan"), float("inf")):
-        assert "std of the plain scores" not in describe({**probe, "plain_score_std": std})
+        assert describe({**probe, "plain_score_std": std}) == (
+            "length bias: padding the reference answer with filler (~3 tokens) changed the reward by +0.250 on "
+            "average; it raised the reward in 75% of 8 pairs")
 
 
 def test_the_probe_reads_eos_batches_and_fillers_as_given(tokenizer, items):
