@@ -2,6 +2,7 @@
 ones read means, which read the reference), the run's length in steps and pairs, and the refusals (issue 36)."""
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -62,32 +63,60 @@ def test_simpo_reads_means_and_no_reference():
     ({"num_epochs": 0, "batch_size": 4, "max_steps": 3, "max_pairs": 6}, 10, (2, 6)),
     ({"num_epochs": 0, "batch_size": 4, "max_steps": 2, "max_pairs": 50}, 10, (2, 8)),
     ({"num_epochs": 1, "batch_size": 3}, 10, (4, 10)),  # the last step takes what is left
+    ({"num_epochs": 2, "batch_size": 4, "max_pairs": 1}, 10, (1, 1)),
+    ({"num_epochs": 1, "batch_size": 4, "max_steps": 1}, 2, (1, 4)),  # max_steps set: the one epoch is not read
+    ({"num_epochs": 1, "batch_size": 4, "max_steps": 3}, 2, (3, 12)),
+    ({"num_epochs": 0, "batch_size": 4, "max_pairs": 6}, 10, (2, 6)),
+    ({"num_epochs": 0, "batch_size": 4, "max_pairs": 8, "max_steps": 1}, 10, (1, 4)),
 ])
 def test_planned_pairs_is_the_smallest_of_steps_epochs_and_pairs(fields, pairs, expected):
     assert dpo.planned_pairs(dpo_cfg(**fields), pairs) == expected
 
 
-@pytest.mark.parametrize("fields, match", [
-    ({"model": ""}, "no policy given"),
-    ({"batch_size": 0}, "batch_size must be > 0"),
-    ({"gradient_accumulation_steps": 0}, "gradient_accumulation_steps must be > 0"),
-    ({"beta": 0.0}, "beta must be > 0"),
-    ({"max_steps": 0, "num_epochs": 0, "max_pairs": 0}, "no length given"),
-    ({"batch_size": 4, "gradient_accumulation_steps": 5}, "gradient_accumulation_steps 5 > 4 pairs"),
-    ({"label_smoothing": 0.5}, r"label_smoothing must be in \[0, 0.5\)"),
-    ({"label_smoothing": -0.1}, r"label_smoothing must be in \[0, 0.5\)"),
-    ({"label_smoothing": 0.1, "loss_type": "ipo"}, "loss_type ipo has none"),
-    ({"reward_timeout": -1.0}, "reward_timeout"),
+NO_LENGTH = ("no length given: max_steps, num_epochs and max_pairs are all 0", "--num_epochs",
+             "set --num_epochs 1 (or --max_steps / --max_pairs)")
+
+
+@pytest.mark.parametrize("fields, what, where, fix", [
+    ({"model": ""}, "no policy given", "--model", "pass the SFT model folder, e.g. runs/demo-.../sft/model"),
+    ({"batch_size": 0}, "batch_size must be > 0, got 0", "--batch_size", None),
+    ({"gradient_accumulation_steps": 0}, "gradient_accumulation_steps must be > 0, got 0",
+     "--gradient_accumulation_steps", None),
+    ({"beta": 0.0}, "beta must be > 0, got 0.0", "--beta", None),
+    ({"max_steps": 0, "num_epochs": 0, "max_pairs": 0}, *NO_LENGTH),
+    ({"batch_size": 4, "gradient_accumulation_steps": 5}, "gradient_accumulation_steps 5 > 4 pairs per process "
+     "(batch_size 4): empty micro-batches", "--gradient_accumulation_steps", None),
+    ({"label_smoothing": 0.5}, "label_smoothing must be in [0, 0.5), got 0.5", "--label_smoothing", None),
+    ({"label_smoothing": -0.1}, "label_smoothing must be in [0, 0.5), got -0.1", "--label_smoothing", None),
+    ({"label_smoothing": 0.1, "loss_type": "ipo"}, "label_smoothing is conservative DPO's: loss_type ipo has none",
+     "--label_smoothing", "use --loss_type sigmoid, or drop --label_smoothing"),
 ])
-def test_what_dpo_refuses(fields, match):
-    with pytest.raises(UserInputError, match=match):
+def test_what_dpo_refuses_names_the_flag_and_the_fix(fields, what, where, fix):
+    with pytest.raises(UserInputError) as refused:
         dpo.check_dpo_config(dpo_cfg(**fields))
+    assert (refused.value.what, refused.value.where, refused.value.fix) == (what, where, fix)
+
+
+def test_a_negative_reward_timeout_or_an_unknown_error_mode_of_the_verifier_is_refused():
+    with pytest.raises(UserInputError, match="reward_timeout"):
+        dpo.check_dpo_config(dpo_cfg(reward_timeout=-1.0))
+    with pytest.raises(UserInputError, match="reward_errors"):
+        dpo.check_dpo_config(dpo_cfg(reward_errors="ignore"))
+
+
+def test_the_accumulation_bound_is_each_process_s_share_of_the_batch():
+    two = SimpleNamespace(world_size=2, rank=0, distributed=True)
+    with pytest.raises(UserInputError, match="gradient_accumulation_steps 3 > 2 pairs per process"):
+        dpo.check_dpo_config(dpo_cfg(batch_size=4, gradient_accumulation_steps=3), two)
+    dpo.check_dpo_config(dpo_cfg(batch_size=4, gradient_accumulation_steps=3))
 
 
 def test_what_dpo_accepts_at_the_edges(caplog):
     dpo.check_dpo_config(dpo_cfg(batch_size=4, gradient_accumulation_steps=4, label_smoothing=0.0, num_epochs=0,
                                  max_pairs=1))
     dpo.check_dpo_config(dpo_cfg(label_smoothing=0.49, num_epochs=0, max_steps=1))
+    dpo.check_dpo_config(dpo_cfg(num_epochs=1, max_steps=0, max_pairs=0))
+    dpo.check_dpo_config(dpo_cfg(num_epochs=0, max_steps=0, max_pairs=1))
     with caplog.at_level("WARNING", logger="rlhflab"):
         dpo.check_dpo_config(dpo_cfg(loss_type="simpo", reference="ref-folder"))
     assert "needs no reference: --reference ref-folder is not used" in caplog.text

@@ -87,6 +87,7 @@ def test_the_dpo_loss_of_the_pair_by_hand_with_label_smoothing():
     expected = -0.9 * math.log(1 / (1 + math.exp(-h))) - 0.1 * math.log(1 / (1 + math.exp(h)))
     assert loss.item() == pytest.approx(expected, abs=1e-6)
     assert stats["logps_chosen"].item() == pytest.approx(-0.2) and stats["logps_rejected"].item() == pytest.approx(-3.5)
+    assert stats["loss"].item() == loss.item() and unit.step_names["loss"] == "loss"
     assert stats["chosen_rewards"].item() == pytest.approx(0.4) and stats["rejected_rewards"].item() == pytest.approx(-0.25)
     assert grad[[0, 3, 4, 5]].abs().sum() == 0 and grad[2, 1:].abs().sum() == 0  # unpaired rows, padding
     assert grad[2, 0] < 0 < grad[1, 0] and grad[1, 0] == grad[1, 2]  # chosen up, rejected down, every token alike
@@ -112,17 +113,30 @@ def test_a_micro_batch_weighs_its_pairs_by_the_step_s_pairs_and_one_without_a_pa
     assert loss.item() == 0.0 and stats == {} and grad.abs().sum() == 0
 
 
-@pytest.mark.parametrize("fields, match", [
-    ({"sampler_correction": "token_truncate"}, "no per-token policy-gradient term"),
-    ({"mask_truncated_completions": True}, "leave a pair with an empty side"),
-    ({"num_generations": 1, "batch_size": 6}, "num_generations must be >= 2"),
-    ({"batch_size": 8, "num_generations": 2, "num_mini_batches": 8}, "must hold whole groups"),  # 1 a minibatch
-    ({"gradient_accumulation_steps": 4}, "must hold whole groups"),  # micro-batches of 2 of a group of 3
-    ({"loss_type": "ipo", "label_smoothing": 0.1}, "label_smoothing applies to loss_type sigmoid only"),
+WHOLE_GROUPS = ("--num_mini_batches / --gradient_accumulation_steps", "choose them so batch_size / num_mini_batches / "
+                "gradient_accumulation_steps is a multiple of num_generations")
+
+
+@pytest.mark.parametrize("fields, what, where, fix", [
+    ({"sampler_correction": "token_truncate"}, "online DPO's pairwise loss has no per-token policy-gradient term for "
+     "--sampler_correction token_truncate to weight", "--sampler_correction",
+     "leave it at none (the sampler/* metrics still show the mismatch)"),
+    ({"mask_truncated_completions": True}, "online DPO trains on pairs of whole answers: --mask_truncated_completions "
+     "would leave a pair with an empty side", "--mask_truncated_completions",
+     "use --missing_eos_penalty or --overlong_buffer_len, which rank a cut answer lower"),
+    ({"num_generations": 1, "batch_size": 6}, "num_generations must be >= 2 to make a pair, got 1", "--num_generations",
+     "e.g. --num_generations 4"),
+    ({"batch_size": 8, "num_generations": 2, "num_mini_batches": 8},  # 1 answer a minibatch
+     "a minibatch (1 answers) and a micro-batch (1) must hold whole groups of num_generations 2 answers", *WHOLE_GROUPS),
+    ({"gradient_accumulation_steps": 4},  # micro-batches of 2 of a group of 3
+     "a minibatch (6 answers) and a micro-batch (2) must hold whole groups of num_generations 3 answers", *WHOLE_GROUPS),
+    ({"loss_type": "ipo", "label_smoothing": 0.1}, "label_smoothing applies to loss_type sigmoid only",
+     "--label_smoothing", None),
 ])
-def test_what_online_dpo_refuses(fields, match):
-    with pytest.raises(UserInputError, match=match):
+def test_what_online_dpo_refuses_names_the_flag_and_the_fix(fields, what, where, fix):
+    with pytest.raises(UserInputError) as refused:
         online_dpo.OnlineDPO(dpo_cfg(**fields))
+    assert (refused.value.what, refused.value.where, refused.value.fix) == (what, where, fix)
 
 
 def test_what_online_dpo_accepts_at_the_edges():
@@ -130,6 +144,8 @@ def test_what_online_dpo_accepts_at_the_edges():
                                         gradient_accumulation_steps=2, sampler_correction="none", num_iterations=3))
     assert unit.samples_per_prompt == 2 and unit.epochs == 3
     online_dpo.OnlineDPO(dpo_cfg(sampler_correction="auto", loss_type="ipo", label_smoothing=0.0))
+    online_dpo.OnlineDPO(dpo_cfg(batch_size=6, num_generations=6, num_mini_batches=1, gradient_accumulation_steps=1))
+    online_dpo.OnlineDPO(dpo_cfg(batch_size=9, num_generations=2, num_mini_batches=2))  # 9 // 2 = 4 answers a step
 
 
 def test_train_and_check_config_hand_the_unit_and_everything_to_the_loop(monkeypatch):
