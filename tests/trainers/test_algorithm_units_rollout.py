@@ -134,7 +134,7 @@ def test_grpo_advantages_and_rollout_metrics_by_hand(scale, divisor):
     want = per_token([-1 / divisor, 1 / divisor, 0.0, 0.0, 0.0, 0.0], batch.mask)
     torch.testing.assert_close(adv.advantages, want)
     assert adv.returns is None and adv.policy_mask is None
-    # the rollout's token entropy over its response tokens (every row's): (0.2 + 0.2 + 0.3 + 0.3 + 9 + 0.8 + 0.5 + 1.2) / 11
+    # the rollout's token entropy over every row's response tokens: (0.2 + 0.2 + 0.3 + 0.3 + 9 + 0.8 + 0.5 + 1.2) / 11
     assert adv.metrics == pytest.approx({
         "reward": 2.4, "reward_std": math.sqrt(1.3), "frac_reward_zero_std": 2 / 3, "completions/mean_length": 11 / 6,
         "entropy": 12.5 / 11, "completions/clipped_ratio": 1 / 6})
