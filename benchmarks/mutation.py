@@ -44,12 +44,36 @@ LINKED = ["src", "tests", "pyproject.toml", "README.md", "configs", "docs", "mkd
 GROUPS: dict[str, list[str]] = {
     "core": ["tests/core"],
     # the trainers' tiny-model tests (test_grpo.py, test_rloo_reinforce.py) would add kills but make it ~10x slower
-    "units": ["tests/core", "tests/trainers/test_algorithm_units.py"],
-    "online": ["tests/core", "tests/trainers", "tests/invariants", "tests/parallel"],
-    "checkpoint": ["tests/checkpoint"],
-    "stages": ["tests/core", "tests/trainers", "tests/invariants"],
-    "rewards": ["tests/rewards", "tests/trainers", "tests/cli"],
-    "eval": ["tests/eval", "tests/trainers", "tests/report", "tests/test_intervals.py", "tests/test_compare.py"],
+    "units": ["tests/core", "tests/trainers/test_algorithm_units.py", "tests/trainers/test_algorithm_units_rollout.py"],
+    # narrowed from tests/core, tests/trainers, tests/invariants, tests/parallel to their unit tests: with the
+    # trainers' tiny-model tests (test_grpo.py, test_ppo*.py, test_rlvr_controls.py, ...) each mutant ran ~10 s of
+    # them on 2 shared cores (~3 hours for the 800 mutants), and the torchrun launches take minutes each;
+    # test_online_units.py drives passes / state / ranks in-process with a stand-in algorithm and roles
+    "online": ["tests/trainers/test_online_units.py", "tests/trainers/test_algorithm_units.py",
+               "tests/parallel/test_parallel_units.py",
+               *(f"tests/parallel/test_online_ranks.py::{name}" for name in (  # its unit tests, not its torchrun ones
+                   "test_micro_batches_are_one_process_cut_shared_out_in_blocks_with_zero_weight_padding",
+                   "test_a_global_batch_that_does_not_share_out_is_refused_with_sizes_that_do"))],
+    # narrowed from tests/checkpoint to its unit-level files: its SIGKILL / SIGTERM tests start CLI subprocesses
+    # (~45 s), and its tiny-model trainings and resumes (test_faults.py, test_resume.py, test_write_failures.py, ...)
+    # made each surviving mutant of resume.py run ~30-80 s of them on 2 shared cores; check_layout's and
+    # FollowerRun's tests are in test_parallel_units.py
+    "checkpoint": ["tests/checkpoint/test_resume_units.py", "tests/checkpoint/test_folder.py",
+                   "tests/checkpoint/test_fingerprints.py", "tests/parallel/test_parallel_units.py"],
+    "stages": ["tests/core", "tests/trainers/test_ppo_unit.py", "tests/trainers/test_online_dpo_unit.py",
+               "tests/trainers/test_dpo_unit.py", "tests/trainers/test_algorithm_units.py"],
+    # tests/rewards alone (~15 s, its tiny GRPO runs included): tests/trainers and tests/cli (tiny-model training,
+    # CLI subprocesses) would take hours on 2 cores; rewards/ has its own unit tests in tests/rewards
+    "rewards": ["tests/rewards"],
+    # narrowed from tests/eval, tests/trainers, tests/report, tests/test_intervals.py, tests/test_compare.py: their
+    # tiny-model trainings, report demos and compare sweeps (two in tests/eval/test_headroom.py) took ~1 minute a
+    # survivor of intervals.py under mutmut on 2 shared cores; these files (~30 s) test the eval modules,
+    # intervals.py, the headroom probe and the online Monitor in-process
+    "eval": ["tests/eval", "tests/test_intervals.py", "tests/trainers/test_run_watch.py",
+             "tests/report/test_report_headroom.py", "tests/report/test_report_length_bias.py",
+             *(f"--deselect=tests/eval/test_headroom.py::{name}" for name in (
+                 "test_online_run_writes_the_start_policys_headroom_and_the_report_shows_it",
+                 "test_eval_command_probes_the_validation_split"))],
 }
 # module -> its group; modules of a group share one folder, mutants/<group>/, and one collection of which test
 # calls which function (mutmut's "stats", the slow part: the whole selection once, traced)
