@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rlhflab.config import GRPOConfig, REINFORCEConfig, RLOOConfig
-from rlhflab.trainers import grpo, reinforce, rloo
+from rlhflab.config import GRPOConfig, OnlineDPOConfig, PPOConfig, REINFORCEConfig, RLOOConfig
+from rlhflab.trainers import grpo, online_dpo, ppo, reinforce, rloo
 from rlhflab.trainers.online.algorithm import Advantages, ScoredRollout, StepShare
 
 
@@ -192,14 +192,16 @@ def test_reinforce_loss_divides_by_the_steps_tokens_and_logs_per_micro_batch():
 # --- every argument reaches the loop -------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("module, config", [(grpo, grpo_cfg), (rloo, rloo_cfg),
-                                            (reinforce, lambda: REINFORCEConfig(model="unused"))])
-def test_train_hands_the_run_reward_monitor_and_given_to_the_loop(monkeypatch, module, config):
+@pytest.mark.parametrize("module, config, unit", [
+    (grpo, grpo_cfg, "GRPO"), (rloo, rloo_cfg, "RLOO"), (reinforce, lambda: REINFORCEConfig(model="unused"), "REINFORCE"),
+    (ppo, lambda: PPOConfig(model="unused"), "PPO"),
+    (online_dpo, lambda: OnlineDPOConfig(model="unused", batch_size=8, num_generations=4), "OnlineDPO")])
+def test_train_hands_the_run_reward_monitor_and_given_to_the_loop(monkeypatch, module, config, unit):
     seen = {}
     monkeypatch.setattr(module, "train_online", lambda *args: seen.setdefault("args", args))
     run, reward_fn, monitor, given = object(), object(), object(), object()
     cfg = config()
     module.train(cfg, run, reward_fn, monitor, given)
     got = seen["args"]
-    assert got[0] is cfg and type(got[1]).__name__ == module.__name__.rsplit(".", 1)[1].upper()
+    assert got[0] is cfg and type(got[1]).__name__ == unit and got[1].cfg is cfg
     assert got[2:] == (run, reward_fn, monitor, given)

@@ -148,17 +148,14 @@ def test_what_online_dpo_accepts_at_the_edges():
     online_dpo.OnlineDPO(dpo_cfg(batch_size=9, num_generations=2, num_mini_batches=2))  # 9 // 2 = 4 answers a step
 
 
-def test_train_and_check_config_hand_the_unit_and_everything_to_the_loop(monkeypatch):
-    seen = {}
-    monkeypatch.setattr(online_dpo, "train_online", lambda *args: seen.setdefault("args", args))
-    run, reward_fn, monitor, given = object(), object(), object(), object()
-    cfg = dpo_cfg()
-    online_dpo.train(cfg, run, reward_fn, monitor, given)
-    got = seen["args"]
-    assert got[0] is cfg and isinstance(got[1], online_dpo.OnlineDPO) and got[1].cfg is cfg
-    assert got[2:] == (run, reward_fn, monitor, given)
+def test_check_config_hands_the_unit_s_passes_and_group_to_the_online_checks():
+    # train() handing everything to the loop: test_algorithm_units.py's test_train_hands_..._to_the_loop
     with pytest.raises(UserInputError, match="num_generations must be >= 2"):
         online_dpo.check_config(dpo_cfg(num_generations=1))
     with pytest.raises(UserInputError, match="num_mini_batches"):
         online_dpo.check_config(dpo_cfg(batch_size=6, num_mini_batches=4))
+    with pytest.raises(UserInputError, match="passes over each rollout must be > 0, got 0"):
+        online_dpo.check_config(dpo_cfg(num_iterations=0))  # the unit's passes reach the online checks
+    with pytest.raises(UserInputError, match="batch_size 7 is not a multiple of num_generations 3"):
+        online_dpo.check_config(dpo_cfg(batch_size=7, num_mini_batches=2))  # and its group size
     online_dpo.check_config(dpo_cfg())

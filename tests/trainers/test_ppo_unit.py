@@ -360,13 +360,3 @@ def test_after_policy_is_refused_under_several_processes(monkeypatch):
     monkeypatch.setattr(ppo.parallel, "launched_ranks", lambda: (0, 1))
     ppo.check_value_step(ppo_cfg(value_mode="separate", value_step="after_policy"))
 
-
-def test_train_hands_the_run_reward_monitor_and_given_to_the_loop(monkeypatch):
-    seen = {}
-    monkeypatch.setattr(ppo, "train_online", lambda *args: seen.setdefault("args", args))
-    run, reward_fn, monitor, given = object(), object(), object(), object()
-    cfg = ppo_cfg()
-    ppo.train(cfg, run, reward_fn, monitor, given)
-    got = seen["args"]
-    assert got[0] is cfg and isinstance(got[1], ppo.PPO) and got[1].cfg is cfg
-    assert got[2:] == (run, reward_fn, monitor, given)
