@@ -5,7 +5,8 @@ import random
 
 import pytest
 
-from rlhflab.eval.alarms import ALARM_NAMES, AlarmRules, Alarms, History, slope, smoothed_score_at
+from rlhflab.eval.alarms import (ALARM_NAMES, AlarmRules, Alarms, Condition, History, hacking_by_score, slope,
+                                 smoothed_score_at, training_health)
 
 BATCH = 64
 # a healthy update row (tiny runs' typical values); every value gets +-10 % noise
@@ -209,3 +210,142 @@ def test_theil_sen_slope_hand_worked_on_a_curve_and_a_step():
     assert slope([0.0, 1.0, 2.0, 3.0, 4.0], cubes) == 14.5
     # a jump in the last point: 6 slopes of 0 and 10/4, 10/3, 10/2, 10/1 -> the median is 0
     assert slope([0.0, 1.0, 2.0, 3.0, 4.0], [0.0, 0.0, 0.0, 0.0, 10.0]) == 0.0
+
+
+def test_an_alarm_fires_once_its_rule_held_long_enough_and_joins_the_reasons_of_one_step():
+    alarms = Alarms()
+    twice = Condition("length_drift", "length", True, 2, "longer")
+    assert alarms._fire(1, [twice]) == [] and alarms.streaks["length"] == 1
+    assert alarms._fire(2, [twice._replace(holds=False)]) == [] and alarms.streaks["length"] == 0  # a break resets
+    assert alarms._fire(3, [twice]) == []
+    fired = alarms._fire(4, [twice, Condition("length_drift", "capped", True, 1, "capped"),
+                             Condition("mode_collapse", "entropy", False, 1, "flat")])
+    assert fired == [{"name": "length_drift", "step": 4, "reason": "longer; capped"}]
+    assert alarms.fired == {"length_drift": fired[0]} and alarms._fire(5, [twice]) == []  # once per name
+
+
+def test_an_evaluation_row_extends_no_update_series():
+    alarms = Alarms()
+    alarms.observe(3, {"objective/kl": 1.0})
+    alarms.observe(4, {"val/pass_rate": 0.5, "val/pass_rate/lists": 0.4, "episode": 256, "val/reward_unscored": 1.0})
+    assert alarms.history.evals == [(4, 0.5)] and alarms.history.step == 3
+    assert dict(alarms.history.series) == {"objective/kl": [(3, 1.0)]}
+    alarms.observe(5, {"val/pass_rate": 0.6, "val/kl": 2.0, "flag": True, "name": "x"})  # other numbers are series
+    assert alarms.history.step == 5 and alarms.history.series["val/kl"] == [(5, 2.0)] and "flag" not in alarms.history.series
+    reward = Alarms(signal="val/reward")
+    reward.observe(1, {"val/reward": 0.7, "val/pass_rate": 0.2})
+    assert reward.history.evals == [(1, 0.7)] and reward.history.series["val/pass_rate"] == [(1, 0.2)]
+
+
+def test_kl_growth_without_logged_episodes_is_read_per_update():
+    alarms = Alarms()
+    alarms.observe(0, {"val/pass_rate": 0.5})
+    fired = []
+    for step in range(1, 30):
+        fired += alarms.observe(step, {"objective/kl": 0.01 * step})  # 0.01 nats an update = 10 per 1,000
+    alarm = only(fired, "reward_hacking")
+    assert alarm["step"] == 22  # 20 updates for the slope, 3 in a row above the bound
+    assert alarm["reason"] == ("objective/kl is growing by 10 nats per 1,000 episodes (slope over the last 20 updates, "
+                               "bound 1.5); now 0.22 nats")
+
+
+def test_a_zero_start_is_not_divided_by_and_an_infinite_explained_variance_is_not_finite():
+    alarms = Alarms()
+    for step in range(1, 30):
+        assert alarms.observe(step, {"response/length_mean": 0.0, "objective/entropy": 0.0,
+                                     "response/distinct_2": 0.0}) == []
+    alarm = only(Alarms().observe(1, {"val/explained_variance": float("inf"), "loss/x": float("nan")}),
+                 "training_health")
+    assert alarm["reason"] == "non-finite metric values: loss/x=nan, val/explained_variance=inf"
+
+
+def test_a_row_without_the_kl_does_not_extend_its_streak():
+    alarms, fired = Alarms(), []
+    for step in range(1, 10):
+        row = {"loss/policy": 1.0} if step == 7 else {"objective/kl": 12.0}  # update 7 logged no KL
+        fired += alarms.observe(step, row)
+    # the median of 5 is above the cap of 10 from update 5: streak 1, 2 at update 6, 3 at update 8, not 7
+    assert only(fired, "reward_hacking")["step"] == 8
+
+
+def run_rows(row, updates: int = 30, rules=None) -> list[dict]:
+    """Update rows row(1), ..., row(updates), no evaluations -> the alarms fired."""
+    alarms, fired = Alarms(rules), []
+    for step in range(1, updates + 1):
+        fired += alarms.observe(step, row(step))
+    return fired
+
+
+def test_a_value_exactly_at_a_bound_is_not_above_it():
+    assert run_rows(lambda s: {"objective/kl": 10.0}) == []  # the cap: "above 10"
+    assert run_rows(lambda s: {"response/capped_share": 0.3}) == []
+    assert run_rows(lambda s: {"response/length_mean": 8.0 if s <= 5 else 12.0}) == []  # 12 / 8 - 1 = 0.5 exactly
+    no_cap = AlarmRules(kl_cap=1e9)  # 1.5 nats per 1,000 episodes exactly (the slope is exact here)
+    assert run_rows(lambda s: {"objective/kl": 1.5 * s, "episode": 1000 * s}, rules=no_cap) == []
+    faster = run_rows(lambda s: {"objective/kl": 1.501 * s, "episode": 1000 * s}, rules=no_cap)
+    assert only(faster, "reward_hacking")["step"] == 22
+
+
+@pytest.mark.parametrize("name, start, end, alarm", [
+    ("response/length_mean", 8.0, 20.0, "length_drift"),
+    ("response/length_mean", 0.5, 2.0, "length_drift"),  # a start below one token is still a start
+    ("response/length_mean", 8.0, 0.0, "length_drift"),  # down to nothing
+    ("objective/entropy", 0.6, 0.0, "mode_collapse"),
+    ("response/distinct_2", 0.5, 0.0, "mode_collapse"),
+])
+def test_a_change_from_the_first_updates_is_judged_from_the_tenth(name, start, end, alarm):
+    # updates 1-5 at `start`, then `end`: at update 10 (the warm-up) the last 5 are all `end`; 3 in a row -> 12
+    fired = run_rows(lambda s: {name: start if s <= 5 else end})
+    assert only(fired, alarm)["step"] == 12
+
+
+def history(evals, scores_upto: int) -> History:
+    """Evaluations as given; objective/scores of update s is s / 100, for s = 1 .. scores_upto."""
+    h = History()
+    h.evals = list(evals)
+    h.series["objective/scores"] = [(s, s / 100) for s in range(1, scores_upto + 1)]
+    h.step = scores_upto
+    return h
+
+
+def test_the_score_rule_reads_the_best_of_the_evaluations_before_the_last_three():
+    rules = AlarmRules()
+    # best 0.8 at step 30, the 4th of 7 evaluations; the last 3 stay below 0.81 (0.79 too: within min_delta)
+    (cond,) = hacking_by_score(history([(0, .5), (10, .6), (20, .55), (30, .8), (40, .79), (50, .75), (60, .79)], 60),
+                               rules)
+    assert cond.holds and cond.key == "score_vs_pass_rate" and cond.needed == 1
+    assert cond.reason == ("objective/scores rose 0.28 -> 0.58 (+0.3 >= 0.25, medians of 5 updates) since the best "
+                           "evaluation (step 30, val/pass_rate 0.8), while the last 3 evaluations (0.79, 0.75, 0.79) "
+                           "did not beat it by 0.01")
+    # the best by pass rate (0.8 at step 10), not the latest: then 0.08, now 0.58
+    (cond,) = hacking_by_score(history([(0, .5), (10, .8), (20, .55), (30, .6), (40, .6), (50, .6), (60, .6)], 60), rules)
+    assert cond.holds and "since the best evaluation (step 10, val/pass_rate 0.8)" in cond.reason
+    # a rise of exactly min_delta over the best (0.5 -> 0.51) beats it: not flat
+    (cond,) = hacking_by_score(history([(0, .5), (10, .4), (20, .51), (30, .45), (40, .45)], 40), rules)
+    assert not cond.holds
+    assert hacking_by_score(history([(0, .5), (10, .4), (20, .4)], 20), rules) == []  # 3 evaluations: none before them
+
+
+def test_the_value_loss_rule_reads_the_running_median_of_the_earlier_losses():
+    h = History()
+    h.series["loss/value_avg"] = [(s, v) for s, v in enumerate([0.1] * 5 + [1.0] * 5 + [2.0], start=1)]
+    h.step = 11
+    (cond,) = [c for c in training_health(h, AlarmRules()) if c.key == "value_loss"]
+    assert not cond.holds  # 2.0 is not over 10 x the median 0.55 of the 10 losses before it
+    assert cond.reason == "loss/value_avg is 2, over 10x its running median 0.55"
+    h.series["loss/value_avg"].pop()
+    h.step = 10
+    assert [c for c in training_health(h, AlarmRules()) if c.key == "value_loss"] == []  # 10 losses: the warm-up
+
+
+def test_more_values_exactly_at_their_bounds():
+    assert run_rows(lambda s: {"response/distinct_2": 0.5 if s <= 5 else 0.25}) == []  # 0.25 is 50 % of 0.5
+    assert run_rows(lambda s: {"response/duplicate_share_batch": 0.5}) == []
+    assert run_rows(lambda s: {"policy/clipfrac_avg": 0.2, "policy/approxkl_avg": 0.05}) == []
+    assert run_rows(lambda s: {"loss/value_avg": 0.5 if s <= 20 else 5.0}) == []  # 10 x its median exactly
+    assert run_rows(lambda s: {"val/explained_variance": 0.05}) == []
+
+
+def test_a_non_finite_value_in_an_evaluation_row_fires_too():
+    fired = Alarms().observe(10, {"val/pass_rate": 0.5, "val/kl": float("nan")})
+    assert only(fired, "training_health")["reason"] == "non-finite metric values: val/kl=nan"
