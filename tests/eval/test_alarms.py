@@ -349,3 +349,10 @@ def test_more_values_exactly_at_their_bounds():
 def test_a_non_finite_value_in_an_evaluation_row_fires_too():
     fired = Alarms().observe(10, {"val/pass_rate": 0.5, "val/kl": float("nan")})
     assert only(fired, "training_health")["reason"] == "non-finite metric values: val/kl=nan"
+
+
+def test_a_score_rise_of_exactly_the_bound_counts():
+    h = history([(0, .5), (10, .8), (20, .6), (30, .6), (40, .6)], 40)
+    h.series["objective/scores"] = [(s, 0.5 if s <= 10 else 0.75) for s in range(1, 41)]  # then 0.5, now 0.75
+    (cond,) = hacking_by_score(h, AlarmRules())
+    assert cond.holds and "(+0.25 >= 0.25," in cond.reason

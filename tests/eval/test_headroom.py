@@ -349,3 +349,34 @@ def test_verdict_skips_a_family_without_a_change_and_joins_the_rest_of_a_kind():
     lines = headroom_verdict(probe, {"uppercase": level, "yes_no": level}, "grpo")  # lists: no change measured
     assert lines == ["grpo: did not move, already passing: little left to gain: uppercase 100% → 100% (+0.0 pts "
                      "[-6.1, +6.1]), greedy 95%; yes_no 100% → 100% (+0.0 pts [-6.1, +6.1]), greedy 95%"]
+
+
+def test_eval_hands_the_probe_its_model_settings_and_split(monkeypatch, tmp_path):
+    from rlhflab.config import EvalConfig
+    from rlhflab.eval import headroom as eval_headroom
+    from rlhflab.errors import UserInputError
+    from rlhflab.tracking import RunDir
+
+    calls = {}
+    monkeypatch.setattr(eval_headroom.models, "load_tokenizer", lambda name, **kw: calls.setdefault("tok", (name, kw)))
+    monkeypatch.setattr(eval_headroom.models, "load_causal_lm", lambda name, **kw: calls.setdefault("lm", (name, kw)))
+    monkeypatch.setattr(eval_headroom, "eval_prompts", lambda cfg, tok: calls.setdefault("rows", (cfg.split, tok)) and
+                        suite_rows("validation", 4))
+    monkeypatch.setattr(eval_headroom, "eval_verifier", lambda cfg, rows: "verifier")
+    monkeypatch.setattr(eval_headroom, "probe_headroom", lambda *a, **kw: {"rows": len(a[2]), **kw})
+    RunDir(tmp_path / "ev").close()
+    cfg = EvalConfig(model="m", tokenizer="t", trust_remote_code=True, dtype="bfloat16", device="cpu",
+                     headroom_split="train", headroom_prompts=2, samples_per_prompt=3, eval_batch_size=7, seed=9,
+                     temperature=0.6, max_new_tokens=5)
+    assert eval_headroom.probe_saved_model(cfg, tmp_path / "ev") == {
+        "rows": 2, "samples_per_prompt": 3, "temperature": 0.6, "max_new_tokens": 5, "batch_size": 7, "seed": 9,
+        "split": "train"}
+    assert calls["tok"] == ("t", {"trust_remote_code": True})
+    assert calls["lm"][0] == "m" and calls["lm"][1] == {"dtype": "bfloat16", "trust_remote_code": True,
+                                                         "device": torch.device("cpu")}
+    assert calls["rows"] == ("train", calls["tok"])
+    for field, value in [("samples_per_prompt", 0), ("headroom_prompts", -1)]:
+        with pytest.raises(UserInputError) as refused:
+            eval_headroom.check_headroom_fields(dataclasses_replace(cfg, **{field: value}))
+        assert refused.value.fix == {"samples_per_prompt": "1 = no headroom probe; 4 or 8 samples per prompt for one",
+                                     "headroom_prompts": "0 = every prompt of the split"}[field]
