@@ -657,3 +657,11 @@ def test_a_dict_keyed_like_the_codecs_own_markers_stays_a_dict_of_strings():
     assert encoded == {"__dict__": [["__tensor__", "w"], ["__tuple__", [1]]]}
     assert decode(json.loads(json.dumps(encoded)), tensors) == {"__tensor__": "w", "__tuple__": [1]}
     assert encode({"_x": 1, "x__": 2}, {}) == {"_x": 1, "x__": 2}
+
+
+def test_tensors_in_lists_tuples_and_int_keyed_dicts_come_back_from_their_paths():
+    t = torch.arange(4.0)
+    tensors = {}
+    back = decode(json.loads(json.dumps(encode({"a": [t, (t + 1,)], "b": {3: t + 2}}, tensors))), tensors)
+    assert back["a"][0].tolist() == [0.0, 1.0, 2.0, 3.0] and back["a"][1][0].tolist() == [1.0, 2.0, 3.0, 4.0]
+    assert back["b"][3].tolist() == [2.0, 3.0, 4.0, 5.0] and isinstance(back["a"][1], tuple)
