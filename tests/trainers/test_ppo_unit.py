@@ -318,7 +318,7 @@ def test_what_ppo_refuses_names_the_flag_and_the_fix(fields, what, where, fix):
     assert (refused.value.what, refused.value.where, refused.value.fix) == (what, where, fix)
 
 
-def test_what_ppo_accepts_at_the_edges(caplog):
+def test_what_ppo_accepts_at_the_edges():
     ppo.PPO(ppo_cfg(num_ppo_epochs=1, kl_target=0.0, kl_horizon=0))  # the targets are read only when adaptive
     ppo.PPO(ppo_cfg(adaptive_kl=True, kl_target=0.01, kl_horizon=1))
     ppo.PPO(ppo_cfg(value_head_learning_rate=0.0, value_warmup_rollouts=0, value_mode="lora_adapter", lora_r=1))
