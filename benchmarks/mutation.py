@@ -49,7 +49,8 @@ GROUPS: dict[str, list[str]] = {
     # trainers' tiny-model tests (test_grpo.py, test_ppo*.py, test_rlvr_controls.py, ...) each mutant ran ~10 s of
     # them on 2 shared cores (~3 hours for the 800 mutants), and the torchrun launches take minutes each;
     # test_online_units.py drives passes / state / ranks in-process with a stand-in algorithm and roles
-    "online": ["tests/trainers/test_online_units.py", "tests/trainers/test_algorithm_units.py",
+    "online": ["tests/trainers/test_online_units.py", "tests/trainers/test_online_state.py",
+               "tests/trainers/test_online_ranks_units.py", "tests/trainers/test_algorithm_units.py",
                "tests/parallel/test_parallel_units.py",
                *(f"tests/parallel/test_online_ranks.py::{name}" for name in (  # its unit tests, not its torchrun ones
                    "test_micro_batches_are_one_process_cut_shared_out_in_blocks_with_zero_weight_padding",
