@@ -59,7 +59,8 @@ GROUPS: dict[str, list[str]] = {
     # (~45 s), and its tiny-model trainings and resumes (test_faults.py, test_resume.py, test_write_failures.py, ...)
     # made each surviving mutant of resume.py run ~30-80 s of them on 2 shared cores; check_layout's and
     # FollowerRun's tests are in test_parallel_units.py
-    "checkpoint": ["tests/checkpoint/test_resume_units.py", "tests/checkpoint/test_folder.py",
+    "checkpoint": ["tests/checkpoint/test_resume_units.py", "tests/checkpoint/test_state_units.py",
+                   "tests/checkpoint/test_folder.py",
                    "tests/checkpoint/test_fingerprints.py", "tests/parallel/test_parallel_units.py"],
     "stages": ["tests/core", "tests/trainers/test_ppo_unit.py", "tests/trainers/test_online_dpo_unit.py",
                "tests/trainers/test_dpo_unit.py", "tests/trainers/test_algorithm_units.py"],
