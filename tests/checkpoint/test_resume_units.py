@@ -1,18 +1,16 @@
 """Where a resume starts and what it checks, on hand-made folders, no model (issue 36): what changed, the
-histories, the Checkpointer and open_run (checkpoint/resume.py)."""
+histories, the Checkpointer and open_run (--overwrite, report_to backends and callbacks, what a refusal and a
+commit say; its layout check and several ranks are in test_state_units.py) (checkpoint/resume.py)."""
 
 import json
 import logging
-import random
 import signal
 
-import numpy as np
 import pytest
 import torch
 
 from rlhflab import parallel
-from rlhflab.checkpoint.state import (all_finite, decode, encode, load_optimiser, load_trainable_weights, restore_rng,
-                                      rng_state, trainable_weights)
+from rlhflab.callbacks import Callback
 from rlhflab.errors import UserInputError
 
 
@@ -449,17 +447,152 @@ def test_a_missing_history_leaves_the_others_cut_and_a_shortened_one_keeps_every
     assert (tmp_path / "metrics.jsonl").read_text() == '{"a": 1}\n{"a": 2}\n'
 
 
-def test_a_dict_keyed_like_the_codecs_own_markers_stays_a_dict_of_strings():
-    tensors = {}
-    encoded = encode({"__tensor__": "w", "__tuple__": [1]}, tensors)
-    assert encoded == {"__dict__": [["__tensor__", "w"], ["__tuple__", [1]]]}
-    assert decode(json.loads(json.dumps(encoded)), tensors) == {"__tensor__": "w", "__tuple__": [1]}
-    assert encode({"_x": 1, "x__": 2}, {}) == {"_x": 1, "x__": 2}
+# --- open_run: --overwrite, sinks and callbacks, what a refusal and a commit say, several ranks -------------
 
 
-def test_tensors_in_lists_tuples_and_int_keyed_dicts_come_back_from_their_paths():
-    t = torch.arange(4.0)
-    tensors = {}
-    back = decode(json.loads(json.dumps(encode({"a": [t, (t + 1,)], "b": {3: t + 2}}, tensors))), tensors)
-    assert back["a"][0].tolist() == [0.0, 1.0, 2.0, 3.0] and back["a"][1][0].tolist() == [1.0, 2.0, 3.0, 4.0]
-    assert back["b"][3].tolist() == [2.0, 3.0, 4.0, 5.0] and isinstance(back["a"][1], tuple)
+def test_an_unreadable_config_yaml_is_refused_naming_the_file(tmp_path):
+    from rlhflab.checkpoint.resume import config_changes
+    from rlhflab.config import RMConfig
+
+    (tmp_path / "config.yaml").write_text("seed: [1\n")
+    with pytest.raises(UserInputError) as err:
+        config_changes(RMConfig(), tmp_path / "config.yaml")
+    assert str(err.value).startswith(f"{tmp_path / 'config.yaml'}: unreadable config.yaml (")
+
+
+class Rows(Callback):
+    """A callback and a report_to backend: the rows it was sent, and the
+    folders it was opened for (as a backend)."""
+
+    def __init__(self, path=None):
+        self.rows = [("opened", path)] if path else []
+
+    def on_log(self, logs, step):
+        self.rows.append((step, logs))
+
+    def log(self, metrics, step):
+        self.rows.append((step, metrics))
+
+    def close(self):
+        pass
+
+
+def recorder_backend(monkeypatch) -> list:
+    """report_to=recorder: every Rows backend a run folder opens, listed."""
+    from rlhflab import tracking
+
+    opened = []
+    monkeypatch.setitem(tracking.SINKS, "recorder", lambda path: opened.append(Rows(path)) or opened[-1])
+    monkeypatch.setattr(tracking, "_installed", lambda name: True)
+    return opened
+
+
+def test_overwrite_refuses_a_run_reading_the_old_one_and_carries_over_the_inputs_the_new_one_reads(tmp_path):
+    from rlhflab.checkpoint.ownership import releasing_locks
+    from rlhflab.checkpoint.resume import open_run
+    from rlhflab.config import RMConfig
+
+    out = tmp_path / "run"
+    (out / "inputs").mkdir(parents=True)
+    (out / "config.yaml").write_text("seed: 1\n")  # a run is there
+    (out / "inputs" / "train.jsonl").write_text('{"a": 1}\n')
+    with pytest.raises(UserInputError) as err:
+        open_run(RMConfig(model=str(out / "model"), output_dir=str(out), overwrite=True), "rm")
+    assert str(err.value).startswith(f"--output_dir: --overwrite would replace {out}, which holds what this run "
+                                     f"reads (model {out / 'model'}); ")
+    assert [p.name for p in tmp_path.iterdir()] == ["run"]  # nothing set aside
+    with releasing_locks():
+        run, _ = open_run(RMConfig(train_file=str(out / "inputs" / "train.jsonl"), output_dir=str(out),
+                                   overwrite=True), "rm")
+        aside = [p for p in tmp_path.iterdir() if p.name.startswith("run.replaced-")]
+        assert len(aside) == 1 and (aside[0] / "config.yaml").read_text() == "seed: 1\n"
+        assert (out / "inputs" / "train.jsonl").read_text() == '{"a": 1}\n'  # read by the new run: carried over
+        run.close()
+
+
+def test_a_fresh_run_clears_leftover_checkpoints_and_report_and_opens_its_backends_callbacks_and_seed(
+        tmp_path, monkeypatch):
+    from pathlib import Path
+
+    from rlhflab.checkpoint.ownership import releasing_locks
+    from rlhflab.checkpoint.resume import open_run
+    from rlhflab.config import RMConfig
+
+    monkeypatch.chdir(tmp_path)
+    opened = recorder_backend(monkeypatch)
+    out = tmp_path / "run"
+    (out / "checkpoints" / "step-1").mkdir(parents=True)  # a folder that never held a whole run
+    (out / "report.html").write_text("old")
+    callback = Rows()
+    with releasing_locks():
+        run, _ = open_run(RMConfig(output_dir=str(out), seed=7, report_to="recorder"), "rm", callbacks=[callback])
+        run.log({"loss": 0.5}, step=1)
+        run.close()
+    assert not (out / "checkpoints").exists() and not (out / "report.html").exists()
+    assert json.loads((out / "versions.json").read_text())["determinism"]["seed"] == 7
+    assert [b.rows for b in opened] == [[("opened", out), (1, {"loss": 0.5})]] and callback.rows == [(1, {"loss": 0.5})]
+    with releasing_locks():
+        run, _ = open_run(RMConfig(), "rm")  # no --output_dir: runs/rm-<time>
+        assert run.path.parent == Path("runs") and run.path.name.startswith("rm-")
+        run.close()
+
+
+def test_a_refused_resume_lists_every_config_change_and_every_input_gone_or_added(tmp_path):
+    from rlhflab.checkpoint import fingerprints as prints
+    from rlhflab.checkpoint.ownership import releasing_locks
+    from rlhflab.checkpoint.resume import open_run
+    from rlhflab.config import RMConfig
+
+    model, out = tmp_path / "model", tmp_path / "run"
+    model.mkdir()
+    (model / "a.txt").write_text("a")
+    with releasing_locks():
+        open_run(RMConfig(model=str(model), output_dir=str(out), seed=1), "rm")[0].close()
+    a = prints.file_digest(model / "a.txt")
+    (model / "a.txt").unlink()
+    (model / "b.txt").write_text("bb")
+    b = prints.file_digest(model / "b.txt")
+    step2 = out / "checkpoints" / "step-2"
+    with pytest.raises(UserInputError) as err:
+        open_run(RMConfig(model=str(model), seed=2, learning_rate=0.5, resume=str(step2)), "rm")
+    assert str(err.value) == (
+        f"--resume {step2}: the config differs from the run's config.yaml (learning_rate: 0.0003 -> 0.5; seed: 1 -> 2) "
+        f"and what the run reads changed since it started (model/a.txt: {a} -> none; model/b.txt: none -> {b}) -> "
+        "resume with the run's own settings and inputs, or pass --allow_config_change to proceed (the differences "
+        "are recorded in summary.json)")
+
+
+def test_a_committed_resume_locks_the_run_logs_its_changes_and_starts_the_summary_it_lacked(tmp_path, monkeypatch,
+                                                                                            caplog):
+    from rlhflab.checkpoint import fingerprints as prints
+    from rlhflab.checkpoint import ownership
+    from rlhflab.checkpoint.resume import Checkpointer, open_run
+    from rlhflab.config import RMConfig
+
+    monkeypatch.chdir(tmp_path)
+    opened, model, out = recorder_backend(monkeypatch), tmp_path / "model", tmp_path / "run"
+    model.mkdir()
+    (model / "a.txt").write_text("a")
+    with ownership.releasing_locks():
+        run, _ = open_run(RMConfig(model=str(model), output_dir=str(out), seed=1, report_to="recorder"), "rm")
+        Checkpointer(out, 1, 0).save(2, packer([]))
+        run.close()
+    assert not (out / "summary.json").exists()
+    inputs = {"model/a.txt": {"was": prints.file_digest(model / "a.txt"), "now": None}}
+    (model / "a.txt").write_text("A")
+    inputs["model/a.txt"]["now"] = prints.file_digest(model / "a.txt")
+    callback, step2 = Rows(), out / "checkpoints" / "step-2"
+    cfg = RMConfig(model=str(model), seed=2, resume=str(step2), allow_config_change=True, report_to="recorder")
+    with ownership.releasing_locks(), caplog.at_level(logging.WARNING, logger="rlhflab"):
+        run, resumed = open_run(cfg, "rm", callbacks=[callback])
+        assert ownership._key(out) in ownership._held and not (tmp_path / "runs").exists()  # the run's own lock
+        resumed.commit()
+        run.log({"loss": 0.5}, step=3)
+        run.close()
+    assert caplog.messages == ["resuming with config changes: {'seed': {'was': 1, 'now': 2}}",
+                               f"resuming with changed inputs: {inputs}"]
+    assert json.loads((out / "versions.json").read_text())["determinism"]["seed"] == 2
+    assert json.loads((out / "summary.json").read_text()) == {"resumes": [
+        {"step": 2, "checkpoint": str(step2), "config_changes": {"seed": {"was": 1, "now": 2}}, "input_changes": inputs}]}
+    assert [b.rows for b in opened] == [[("opened", out)], [("opened", out), (3, {"loss": 0.5})]]
+    assert callback.rows == [(3, {"loss": 0.5})]

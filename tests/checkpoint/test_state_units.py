@@ -1,5 +1,6 @@
 """The checkpoint state on hand-made values, no model (issue 36): the state codec, RNGs and weights, the
-optimiser and schedule, and the sharded layout (checkpoint/state.py, checkpoint/ranks.py)."""
+optimiser and schedule, the sharded layout and several ranks (checkpoint/state.py, checkpoint/ranks.py, and
+open_run's layout check and ranks in checkpoint/resume.py)."""
 
 import json
 import logging
@@ -53,6 +54,22 @@ def test_the_codec_keeps_keys_tuples_arrays_and_numpy_numbers():
     assert decode({"__dict__": [[[1, 2], "x"], [3, "y"]]}, {}) == {(1, 2): "x", 3: "y"}
     with pytest.raises(TypeError, match=r"^cannot checkpoint a object at '/fn/0' without pickle$"):
         encode({"fn": [object()]}, {})
+
+
+def test_a_dict_keyed_like_the_codecs_own_markers_stays_a_dict_of_strings():
+    tensors = {}
+    encoded = encode({"__tensor__": "w", "__tuple__": [1]}, tensors)
+    assert encoded == {"__dict__": [["__tensor__", "w"], ["__tuple__", [1]]]}
+    assert decode(json.loads(json.dumps(encoded)), tensors) == {"__tensor__": "w", "__tuple__": [1]}
+    assert encode({"_x": 1, "x__": 2}, {}) == {"_x": 1, "x__": 2}
+
+
+def test_tensors_in_lists_tuples_and_int_keyed_dicts_come_back_from_their_paths():
+    t = torch.arange(4.0)
+    tensors = {}
+    back = decode(json.loads(json.dumps(encode({"a": [t, (t + 1,)], "b": {3: t + 2}}, tensors))), tensors)
+    assert back["a"][0].tolist() == [0.0, 1.0, 2.0, 3.0] and back["a"][1][0].tolist() == [1.0, 2.0, 3.0, 4.0]
+    assert back["b"][3].tolist() == [2.0, 3.0, 4.0, 5.0] and isinstance(back["a"][1], tuple)
 
 
 # --- RNGs and weights ------------------------------------------------------------------------------
@@ -216,3 +233,83 @@ def test_a_sharded_checkpoint_needs_its_own_layout_and_a_whole_one_changes_world
         f"resuming a checkpoint of {was} process(es) with {now}: the whole model and optimiser state are in it, "
         "batch sizes are global, so the run continues with the same updates up to float rounding"
         for was, now in [(2, 1), (1, 4)]]
+
+
+def test_a_resume_refuses_a_sharded_checkpoint_that_another_layout_wrote(tmp_path):
+    from rlhflab.checkpoint.folder import save_checkpoint
+    from rlhflab.checkpoint.ownership import releasing_locks
+    from rlhflab.checkpoint.resume import history_position, open_run
+    from rlhflab.config import RMConfig
+
+    out = tmp_path / "run"
+    with releasing_locks():
+        open_run(RMConfig(output_dir=str(out)), "rm")[0].close()
+    save_checkpoint(out / "checkpoints", 2, {"w": torch.ones(1)}, {
+        "histories": history_position(out), "parallel": {"strategy": "fsdp2", "world_size": 2, "sharded_state": True}})
+    with pytest.raises(UserInputError) as err:
+        open_run(RMConfig(resume=str(out / "checkpoints" / "step-2")), "rm")  # one process
+    assert str(err.value) == (
+        f"--resume {out / 'checkpoints' / 'step-2'}: the checkpoint was written by 2 process(es) with parallel_strategy "
+        "fsdp2; this run has 1 with none, and a sharded (fsdp2) checkpoint is read back only by the layout that wrote "
+        "it -> resume with torchrun --nproc_per_node 2 (or accelerate launch --num_processes 2) and "
+        "--parallel_strategy fsdp2")
+
+
+class RankOf2:
+    """A world of 2 ranks without a process group: rank 0 computes what it would broadcast (kept in `sent`), rank 1
+    is handed `sent`."""
+
+    world_size, distributed = 2, True
+
+    def __init__(self, rank, sent=None):
+        self.rank, self.sent = rank, sent
+
+    @property
+    def is_main(self):
+        return self.rank == 0
+
+    def from_main(self, compute):
+        if self.rank == 0:
+            self.sent = compute()
+        return self.sent
+
+
+def test_on_two_ranks_rank_0_opens_the_run_folder_and_rank_1_follows_it_to_the_same_checkpoint(tmp_path,
+                                                                                                 monkeypatch):
+    from pathlib import Path
+
+    from rlhflab.callbacks import Callback
+    from rlhflab.checkpoint.folder import save_checkpoint
+    from rlhflab.checkpoint.ownership import OwnedRun, releasing_locks
+    from rlhflab.checkpoint.ranks import FollowerRun
+    from rlhflab.checkpoint.resume import history_position, open_run
+    from rlhflab.config import RMConfig
+
+    class Rows(Callback):
+        def __init__(self):
+            self.rows = []
+
+        def on_log(self, logs, step):
+            self.rows.append((step, logs))
+
+    monkeypatch.chdir(tmp_path)
+    main, callback = RankOf2(0), Rows()
+    with releasing_locks():
+        run, resumed = open_run(RMConfig(seed=1), "rm", parallel.Layout("ddp", main), callbacks=[callback])
+        assert type(run) is OwnedRun and resumed is None and main.sent == (str(run.path), None)
+        assert run.path.parent == Path("runs") and run.path.name.startswith("rm-")  # no --output_dir: runs/rm-<time>
+        run.log({"loss": 0.5}, step=1)
+        run.close()
+    assert callback.rows == [(1, {"loss": 0.5})]
+    out, step2 = run.path, run.path / "checkpoints" / "step-2"
+    save_checkpoint(out / "checkpoints", 2, {"w": torch.full((2,), 2.0)}, {"n": 1, "histories": history_position(out)})
+    with releasing_locks():
+        run, resumed = open_run(RMConfig(seed=1, resume=str(step2)), "rm", parallel.Layout("ddp", main))
+        assert (type(run), run.path, resumed.checkpoint, main.sent) == (OwnedRun, out, step2, (str(out), str(step2)))
+        run.close()
+    run, resumed = open_run(RMConfig(), "rm", parallel.Layout("ddp", RankOf2(1, (str(out), None))))
+    assert (type(run), run.path, resumed) == (FollowerRun, out, None)
+    run, resumed = open_run(RMConfig(), "rm", parallel.Layout("ddp", RankOf2(1, (str(out), str(step2)))))
+    assert (type(run), run.path, resumed.checkpoint, resumed.step, resumed.config_changes) == (
+        FollowerRun, out, step2, 2, {})
+    assert resumed.weights["w"].tolist() == [2.0, 2.0] and resumed.state["n"] == 1
