@@ -143,3 +143,100 @@ def test_evaluate_refuses_a_missing_model_before_anything_runs(tmp_path):
     with pytest.raises(UserInputError, match="reward_timeout"):
         evaluate(EvalConfig(model="no/such/folder", reward_timeout=-1.0, output_dir=str(tmp_path / "neg")))
     assert not (tmp_path / "none").exists() and not (tmp_path / "neg").exists()
+
+
+# --- the edges (issue 36: mutants of eval/pass_rate.py that the cases above let through) -----------------------------
+
+
+def test_a_prompts_file_is_read_strictly_and_rendered_with_the_tokenizer(tmp_path):
+    class ChatTokenizer:
+        chat_template = "stand-in"
+
+        def apply_chat_template(self, messages, tokenize, add_generation_prompt):
+            return "<chat>" + "|".join(m["content"] for m in messages) + f"<gen={add_generation_prompt}>"
+
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text(json.dumps({"messages": [{"role": "user", "content": "Say a."}], "family": "mine"}) + "\n")
+    rows = eval_prompts(EvalConfig(prompts_file=str(chat)), ChatTokenizer())
+    assert [(r.prompt, r.family) for r in rows] == [("<chat>Say a.<gen=True>", "mine")]
+    assert eval_prompts(EvalConfig(prompts_file=str(chat)))[0].prompt == "user: Say a.\nassistant: "  # no template
+    mixed = tmp_path / "mixed.jsonl"
+    mixed.write_text(json.dumps({"prompt": "Say a."}) + "\n" + json.dumps({"answer": "no prompt"}) + "\n")
+    with pytest.raises(UserInputError) as refused:  # strict: one bad row of two refuses the file, none dropped
+        eval_prompts(EvalConfig(prompts_file=str(mixed)), ChatTokenizer())
+    assert refused.value.what.startswith("1 of 2 rows are invalid for kind 'prompts'")
+
+
+def test_a_verifier_file_that_is_missing_is_named_under_its_flag(tmp_path):
+    with pytest.raises(UserInputError) as refused:
+        eval_verifier(EvalConfig(verifier=f"{tmp_path / 'none.py'}:fn"), [])
+    assert refused.value.what == f"file not found: {tmp_path / 'none.py'}" and refused.value.where == "--verifier"
+    with pytest.raises(UserInputError) as unchecked:
+        eval_verifier(EvalConfig(), [PromptRow("Say a.", {}, "p.jsonl:1")])
+    assert unchecked.value.fix == "pass --verifier FILE.py:NAME, a function that says which answers are right"
+
+
+def test_the_default_title_heads_the_table():
+    table = table_from_rows(answers("10"))
+    assert format_table({"sft": table}).splitlines()[0] == "held-out pass rate  " + " " * 15 + "sft"
+
+
+def test_evaluate_hands_each_step_its_settings(monkeypatch, tmp_path):
+    from types import SimpleNamespace
+
+    import torch
+
+    from rlhflab.eval import pass_rate
+    from rlhflab.tracking import RunDir
+
+    calls = {}
+    items = [PromptRow("Say a.", {"family": "mine"}, "p:1"), PromptRow("Say b.", {"family": "mine"}, "p:2")]
+    rows = [{"prompt": "Say a.", "family": "mine", "passed": True, "kind": "pass"},
+            {"prompt": "Say b.", "family": "mine", "passed": False, "kind": "wrong"}]
+
+    def answer(model, tokenizer, asked, verifier, cfg, progress="unset"):
+        calls["answer"] = (model, tokenizer, asked, verifier, progress)
+        return rows
+
+    def run_dir(path, **kw):
+        calls["run"] = (path, kw)
+        return RunDir(path, **kw)
+
+    monkeypatch.setattr(pass_rate, "configure_threads", lambda threads: None)
+    monkeypatch.setattr(pass_rate, "check_backend", lambda cfg: None)
+    monkeypatch.setattr(pass_rate, "seed_everything", lambda *a, **kw: calls.setdefault("seed", (a, kw)))
+    monkeypatch.setattr(pass_rate, "models", SimpleNamespace(
+        load_tokenizer=lambda name, **kw: calls.setdefault("tok", (name, kw)) and "tokenizer",
+        load_causal_lm=lambda name, **kw: calls.setdefault("lm", (name, kw)) and "model"))
+    monkeypatch.setattr(pass_rate, "backend_from_config", lambda cfg, name: calls.setdefault("backend", name) and "hf")
+    monkeypatch.setattr(pass_rate, "use_backend", lambda model, backend: calls.setdefault("use", (model, backend)))
+    monkeypatch.setattr(pass_rate, "eval_prompts", lambda cfg, tokenizer: calls.setdefault("prompts", tokenizer) and items)
+    monkeypatch.setattr(pass_rate, "eval_verifier",
+                        lambda cfg, asked: calls.setdefault("verifier", asked) and rewards.CheckerVerifier())
+    monkeypatch.setattr(pass_rate, "answer_and_check", answer)
+    monkeypatch.setattr(pass_rate, "RunDir", run_dir)
+    monkeypatch.setattr(pass_rate, "default_run_path", lambda stage: calls.setdefault("stage", stage) and tmp_path / "ev")
+    monkeypatch.setattr(pass_rate, "time", SimpleNamespace(time=iter([1000.0, 1012.34, 0.0]).__next__))
+    cfg = EvalConfig(model="m", trust_remote_code=True, dtype="bfloat16", device="cpu", seed=4, deterministic=True,
+                     overwrite=True, progress=False)
+    summary = evaluate(cfg).summary
+    assert calls["seed"] == ((4, True), {})
+    assert calls["tok"] == ("m", {"trust_remote_code": True})
+    assert calls["lm"] == ("m", {"dtype": "bfloat16", "trust_remote_code": True, "device": torch.device("cpu")})
+    assert (calls["backend"], calls["use"], calls["prompts"], calls["verifier"]) == ("m", ("model", "hf"), "tokenizer",
+                                                                                      items)
+    assert calls["answer"][:3] == ("model", "tokenizer", items) and calls["answer"][4] is False
+    assert calls["stage"] == "eval" and calls["run"] == (tmp_path / "ev", {"overwrite": True, "report_to": "none"})
+    assert summary["wall_time_s"] == {"eval": 12.3} and summary["pass_rate"]["overall"] == 0.5
+    assert json.loads((tmp_path / "ev" / "versions.json").read_text())["determinism"]["seed"] == 4
+    calls.clear()
+    with pytest.raises(UserInputError) as refused:  # --reward_errors is checked before the model loads
+        evaluate(EvalConfig(model="m", reward_errors="bogus", output_dir=str(tmp_path / "bogus")))
+    assert refused.value.where == "--reward_errors" and "tok" not in calls
+
+
+def test_a_missing_model_is_refused_in_these_words(tmp_path):
+    with pytest.raises(UserInputError) as refused:
+        evaluate(EvalConfig(output_dir=str(tmp_path / "none")))
+    assert (refused.value.what, refused.value.fix) == ("no model given",
+                                                       "pass a model folder, e.g. runs/demo-.../sft/model")
