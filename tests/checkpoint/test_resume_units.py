@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from rlhflab import parallel
-from rlhflab.callbacks import Callback
 from rlhflab.errors import UserInputError
+
+from run_stubs import Rows, recorder_backend
 
 
 # --- checkpoint/resume.py: where a resume starts, what changed -------------------------------------------
@@ -460,31 +461,21 @@ def test_an_unreadable_config_yaml_is_refused_naming_the_file(tmp_path):
     assert str(err.value).startswith(f"{tmp_path / 'config.yaml'}: unreadable config.yaml (")
 
 
-class Rows(Callback):
-    """A callback and a report_to backend: the rows it was sent, and the
-    folders it was opened for (as a backend)."""
+def test_a_setting_newer_than_the_runs_config_yaml_is_a_change_only_away_from_its_default(tmp_path):
+    from dataclasses import dataclass, field
 
-    def __init__(self, path=None):
-        self.rows = [("opened", path)] if path else []
+    from rlhflab.checkpoint.resume import config_changes
 
-    def on_log(self, logs, step):
-        self.rows.append((step, logs))
+    @dataclass(frozen=True)
+    class Config:  # a required field and a default_factory one beside a plain default
+        model: str
+        stops: list = field(default_factory=list)
+        seed: int = 0
 
-    def log(self, metrics, step):
-        self.rows.append((step, metrics))
-
-    def close(self):
-        pass
-
-
-def recorder_backend(monkeypatch) -> list:
-    """report_to=recorder: every Rows backend a run folder opens, listed."""
-    from rlhflab import tracking
-
-    opened = []
-    monkeypatch.setitem(tracking.SINKS, "recorder", lambda path: opened.append(Rows(path)) or opened[-1])
-    monkeypatch.setattr(tracking, "_installed", lambda name: True)
-    return opened
+    (tmp_path / "config.yaml").write_text("model: m\n")  # written before stops and seed existed
+    assert config_changes(Config("m"), tmp_path / "config.yaml") == {}
+    assert config_changes(Config("m", ["\n"], 1), tmp_path / "config.yaml") == {
+        "seed": {"was": None, "now": 1}, "stops": {"was": None, "now": ["\n"]}}
 
 
 def test_overwrite_refuses_a_run_reading_the_old_one_and_carries_over_the_inputs_the_new_one_reads(tmp_path):

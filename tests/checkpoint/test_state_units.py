@@ -16,6 +16,8 @@ from rlhflab.checkpoint.state import (all_finite, decode, encode, load_optimiser
                                       rng_state, trainable_weights)
 from rlhflab.errors import UserInputError
 
+from run_stubs import RankOf2, Rows
+
 
 # --- state codec -------------------------------------------------------------------------------
 
@@ -255,42 +257,15 @@ def test_a_resume_refuses_a_sharded_checkpoint_that_another_layout_wrote(tmp_pat
         "--parallel_strategy fsdp2")
 
 
-class RankOf2:
-    """A world of 2 ranks without a process group: rank 0 computes what it would broadcast (kept in `sent`), rank 1
-    is handed `sent`."""
-
-    world_size, distributed = 2, True
-
-    def __init__(self, rank, sent=None):
-        self.rank, self.sent = rank, sent
-
-    @property
-    def is_main(self):
-        return self.rank == 0
-
-    def from_main(self, compute):
-        if self.rank == 0:
-            self.sent = compute()
-        return self.sent
-
-
 def test_on_two_ranks_rank_0_opens_the_run_folder_and_rank_1_follows_it_to_the_same_checkpoint(tmp_path,
                                                                                                  monkeypatch):
     from pathlib import Path
 
-    from rlhflab.callbacks import Callback
     from rlhflab.checkpoint.folder import save_checkpoint
     from rlhflab.checkpoint.ownership import OwnedRun, releasing_locks
     from rlhflab.checkpoint.ranks import FollowerRun
     from rlhflab.checkpoint.resume import history_position, open_run
     from rlhflab.config import RMConfig
-
-    class Rows(Callback):
-        def __init__(self):
-            self.rows = []
-
-        def on_log(self, logs, step):
-            self.rows.append((step, logs))
 
     monkeypatch.chdir(tmp_path)
     main, callback = RankOf2(0), Rows()
