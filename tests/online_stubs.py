@@ -119,3 +119,27 @@ class Engine:
 
     def drop_step(self, loss):
         self.dropped.append(loss)
+
+
+class Tokenizer:
+    """Token ids decode to their numbers joined by spaces; 0 pads, 9 ends a response."""
+
+    pad_token_id, eos_token_id = 0, 9
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(str(i) for i in ids)
+
+
+def rollout_of(response_ids, lengths, eos, logprobs=None, ref_logprobs=None, entropy=None, sampler_logprobs=None):
+    """A Rollout of (B, T) `response_ids` whose row b has `lengths[b]` real tokens; `eos` (B,) ended with EOS;
+    log-probs and entropy (B, T) as given, 0 where not given."""
+    from rlhflab.rollout.rollout import Rollout
+
+    ids = torch.tensor(response_ids)
+    rows, width = ids.shape
+    mask = torch.arange(width).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)
+    given = lambda x: torch.zeros(rows, width) if x is None else torch.tensor(x, dtype=torch.float32)  # noqa: E731
+    return Rollout(torch.ones(rows, 1, dtype=torch.long), torch.ones(rows, 1, dtype=torch.bool), ids, mask,
+                   given(logprobs), given(ref_logprobs), torch.zeros(rows, width), given(entropy), torch.tensor(eos),
+                   {"generation": 1.0, "forward": 0.5},
+                   sampler_logprobs=None if sampler_logprobs is None else torch.tensor(sampler_logprobs))

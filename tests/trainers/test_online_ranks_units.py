@@ -296,3 +296,95 @@ def test_a_step_another_rank_found_non_finite_is_dropped_on_every_rank_through_t
                       trained=engine)
     assert engine.syncs == [False, True] and len(algorithm.calls) == 2
     assert [len(rows) for rows, *_ in algorithm.calls] == [2, 2]
+
+
+# --- one update's rollout: this rank's prompts generated and scored, every rank's gathered (loop.py) ----------
+
+
+def one_update(monkeypatch, world, batch_ids, *args, **kwargs):
+    """trainers/online/loop.rollout_of_update over 3 train prompts (ids [10], [11, 11], [12, 12, 12]) with
+    collect_rollout, rollout_generator and gather_rollout stood in for (what they were asked is recorded) and the
+    real scoring: rows "9", "7 8 7" (cut, no EOS), "1 2" + EOS, "6" + EOS; reward 1, 2, 3, 4; missing-EOS penalty
+    0.5, overlong cap 3, buffer 1, factor 2 (lengths 3 lose 2): scores 1, 2 - 0.5 - 2, 3 - 2, 4."""
+    from online_stubs import Tokenizer, rollout_of
+
+    from rlhflab.trainers.online import loop
+
+    asked = SimpleNamespace(collect=[], seeds=[], rewards=[], gathered=[])
+
+    def collect(roles, prompts, **options):
+        rows = len(prompts)
+        asked.collect.append((roles, prompts, options))
+        asked.rollout = rollout_of([[9, 0, 0], [7, 8, 7], [1, 2, 9], [6, 9, 0]][:rows], [1, 3, 3, 2][:rows],
+                                   [True, False, True, True][:rows])
+        return asked.rollout
+
+    def reward(prompts, responses, rows, context=None):
+        asked.rewards.append((prompts, context.global_step))
+        return [1.0, 2.0, 3.0, 4.0][: len(prompts)]
+
+    monkeypatch.setattr(loop, "collect_rollout", collect)
+    monkeypatch.setattr(loop, "rollout_generator",
+                        lambda *seed: asked.seeds.append(seed) or f"generator {len(asked.seeds)}")
+    monkeypatch.setattr(loop, "gather_rollout",
+                        lambda rollout, world: asked.gathered.append((rollout, world)) or "whole")
+    cfg = SimpleNamespace(seed=3, missing_eos_penalty=0.5, response_length=3, overlong_buffer_len=1,
+                          overlong_penalty_factor=2.0)
+    ranks = SimpleNamespace(world=world, roles="roles", device="cuda:7")
+    rows = [SimpleNamespace(prompt=f"p{i}") for i in range(3)]
+    got = loop.rollout_of_update(ranks, 3, batch_ids, [[10], [11, 11], [12, 12, 12]], rows, reward, Tokenizer(),
+                                 "settings", cfg, *args, **kwargs)
+    return asked, got
+
+
+def test_an_update_generates_and_scores_its_batch_with_its_own_sampling_seed_and_optimiser_step(monkeypatch):
+    """One process, prompts 2 and 0 in groups of 2, update 3 of 4 optimiser steps each: 8 steps done; the update's
+    own generator (seed 3, update 3, round 0), the rollout's forward kept, the asynchronous generator's responses
+    handed on as they are."""
+    from rlhflab import parallel
+
+    world = parallel.World()
+    asked, (rollout, scores, valid, seconds) = one_update(monkeypatch, world, [2, 2, 0, 0], 2, True, ("drawn", 1.5), 4)
+    assert asked.collect == [("roles", [[12, 12, 12], [12, 12, 12], [10], [10]], dict(
+        pad_id=0, eos_id=9, settings="settings", generator="generator 1", keep_graph=True, place=None,
+        response_width=None, sampled=("drawn", 1.5)))]
+    assert asked.seeds == [(3, 3, "cuda:7", 0)] and asked.rewards == [(["p2", "p2", "p0", "p0"], 8)]
+    assert rollout == "whole" and asked.gathered == [(asked.rollout, world)]
+    assert scores.tolist() == [1.0, -0.5, 1.0, 4.0] and valid.tolist() == [True] * 4 and 0 <= seconds < 60
+    # by default one optimiser step an update (2 done) and round 0; a refill round samples with its own seed
+    asked, _ = one_update(monkeypatch, world, [2, 2, 0, 0], 2, False)
+    assert asked.seeds == [(3, 3, "cuda:7", 0)] and asked.rewards[0][1] == 2 and not asked.collect[0][2]["keep_graph"]
+    asked, _ = one_update(monkeypatch, world, [1, 0], 1, False, None, 1, 2)
+    assert asked.seeds == [(3, 3, "cuda:7", 2)] and asked.collect[0][1] == [[11, 11], [10]]
+
+
+class Drawn:
+    """The asynchronous generator's responses for a global batch: `rows` gives one rank's share."""
+
+    def rows(self, first, count):
+        return ("rows", first, count)
+
+
+def test_a_rank_generates_its_share_of_whole_prompts_at_its_place_and_gathers_every_ranks_scores(monkeypatch):
+    """Rank 1 of 2, 3 prompts in groups of 2: rank 1 answers prompt 2 (rows 4, 5 of 6, prompts 3 tokens wide at
+    most), takes those rows of the asynchronous generator's responses, decodes to the widest rank's length, and
+    gathers the scores and the validity (as uint8: gloo gathers no bool) after rank 0's 4 rows."""
+    from rlhflab import parallel
+    from rlhflab.rollout.generate import BatchPlace
+
+    gathered = []
+
+    def gather_rows(t, world):
+        gathered.append((t.dtype, world))
+        first = torch.full((4,), 7, dtype=t.dtype) if t.is_floating_point() else torch.zeros(4, dtype=t.dtype)
+        return torch.cat([first, t])
+
+    monkeypatch.setattr(parallel, "gather_rows", gather_rows)
+    world = parallel.World(rank=1, world_size=2)
+    asked, (rollout, scores, valid, _) = one_update(monkeypatch, world, [0, 0, 1, 1, 2, 2], 2, False, (Drawn(), 1.5))
+    (roles, prompts, options), = asked.collect
+    assert prompts == [[12, 12, 12]] * 2 and options["place"] == BatchPlace(first=4, total=6, prompt_width=3)
+    assert options["sampled"] == (("rows", 4, 2), 1.5) and options["response_width"] == world.max
+    assert asked.rewards == [(["p2", "p2"], 2)] and asked.gathered == [(asked.rollout, world)] and rollout == "whole"
+    assert gathered == [(torch.float32, world), (torch.uint8, world)]
+    assert scores.tolist() == [7.0] * 4 + [1.0, -0.5] and valid.tolist() == [False] * 4 + [True] * 2

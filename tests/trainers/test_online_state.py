@@ -149,3 +149,72 @@ def test_the_checkpointed_modules_are_the_roles_trained_ones_by_name(tmp_path):
         unpack_online(Resumed(tmp_path / "step-1", 1, {}, {"scheduler": {}}, {}), roles, optimizer, scheduler,
                       algorithm, generators, watch, trained=trained)
     assert err.value.where == str(tmp_path / "step-1" / "state.safetensors")
+
+
+# --- summary.json's numbers, the loop's Checkpointer and its time budget (trainers/online/loop.py) -------------
+
+
+def test_the_summarys_numbers_are_the_saved_policys_the_restored_best_update_or_the_last():
+    """Held-out start / end and the "final" training numbers: the last update's, unless keep_best restored an
+    earlier one (its evaluation and training row; update 0 has none: KL 0). The best's training row leaves the
+    monitor's summary either way."""
+    from rlhflab.trainers.online.loop import FINAL_KEYS, saved_policy_numbers
+
+    first, last_eval = {"val/pass_rate": 0.25, "val/reward": 1.0}, {"val/pass_rate": 0.5, "val/reward": 2.0}
+    last = {"objective/kl": 3.0, "objective/scores": 0.75, "eps": 9.0, "loss/policy": 1.0}
+    final = {k: last.get(k) for k in FINAL_KEYS}
+    assert saved_policy_numbers(first, last_eval, last, {}, "val/pass_rate") == {
+        "validation_pass_rate": {"start": 0.25, "end": 0.5}, "final": final, "final_is": "last update"}
+    best = {"val/reward": 1.5, "restored": False, "update_row": {"objective/kl": 1.0}}
+    assert saved_policy_numbers(first, last_eval, last, {"best": best}, "val/reward") == {
+        "validation_reward": {"start": 1.0, "end": 2.0}, "final": final, "final_is": "last update"}
+    assert best == {"val/reward": 1.5, "restored": False}
+    best = {"val/reward": 1.5, "restored": True, "update_row": {"objective/kl": 1.0, "kl_coef": 0.5}}
+    assert saved_policy_numbers(first, last_eval, last, {"best": best}, "val/reward") == {
+        "validation_reward": {"start": 1.0, "end": 1.5}, "final_is": "restored best update",
+        "final": {k: {"objective/kl": 1.0, "kl_coef": 0.5}.get(k) for k in FINAL_KEYS}}
+    assert best == {"val/reward": 1.5, "restored": True}
+    best = {"val/pass_rate": 0.75, "restored": True, "update_row": None}
+    numbers = saved_policy_numbers(first, last_eval, last, {"best": best}, "val/pass_rate")
+    assert numbers["validation_pass_rate"]["end"] == 0.75 and numbers["final"] == {k: None for k in FINAL_KEYS} | {
+        "objective/kl": 0.0}
+    best = {"val/pass_rate": 0.75, "restored": False}  # a best without a training row: nothing to leave out
+    assert saved_policy_numbers(first, last_eval, last, {"best": best}, "val/pass_rate")["final"] == final
+
+
+def test_the_held_out_signal_is_described_by_its_verifier_or_as_the_rewards_own_opinion():
+    from rlhflab.trainers.online.loop import held_out_description
+
+    class Checker:
+        pass
+
+    independent = "pass rate of the validation answers by the verifier, an independent check"
+    assert held_out_description("val/pass_rate", SimpleNamespace(name="math")) == {
+        "metric": "val/pass_rate", "verifier": "math", "note": independent}
+    assert held_out_description("val/pass_rate", Checker()) == {"metric": "val/pass_rate", "verifier": "Checker",
+                                                                "note": independent}
+    assert held_out_description("val/reward", None) == {
+        "metric": "val/reward", "verifier": None,
+        "note": "no verifier: the held-out signal is the reward's mean on the validation answers, i.e. the reward's "
+                "own opinion, not an independent check; read it with the KL to the reference"}
+
+
+def test_the_loops_checkpointer_writes_shards_only_when_sharded_and_its_budget_counts_three_walls(monkeypatch):
+    """The Checkpointer gets the run folder, --save_every, --keep_last_n, the resumed step and the layout; sharded,
+    a writer of the trained module's shards and the optimiser's moments. max_seconds bounds the updates,
+    evaluations and checkpoints, not the set-up."""
+    from rlhflab.trainers.online import loop
+
+    monkeypatch.setattr(loop, "Checkpointer", lambda *args, **kwargs: (args, kwargs))
+    saved = []
+    trained = SimpleNamespace(save_sharded=lambda optimizer, folder: saved.append((optimizer, folder)))
+    cfg, run = SimpleNamespace(save_every=5, keep_last_n=2), SimpleNamespace(path="RUN")
+    sharded = SimpleNamespace(layout="layout", sharded=True, trained=trained)
+    args, kwargs = loop.checkpointer(run, cfg, 10, sharded, "opt")
+    assert args == ("RUN", 5, 2, 10) and set(kwargs) == {"layout", "write_shards"} and kwargs["layout"] == "layout"
+    kwargs["write_shards"]("folder")
+    assert saved == [("opt", "folder")]
+    args, kwargs = loop.checkpointer(run, cfg, None, SimpleNamespace(layout="one", sharded=False), "opt")
+    assert args == ("RUN", 5, 2, None) and kwargs == {"layout": "one", "write_shards": None}
+    assert loop.cycle_seconds({"setup": 100.0, "loop": 1.0, "evaluation": 2.0, "save": 4.0}) == 7.0
+    assert loop.trainer_threads(SimpleNamespace(threads=3), SimpleNamespace(threads=lambda n: 10 * n)) == 30

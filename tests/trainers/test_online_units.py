@@ -6,6 +6,7 @@ stand-in roles whose log-probs are one trainable scalar: the shares, the shuffle
 stats and the steps are read off by hand."""
 
 
+import dataclasses
 import math
 from types import SimpleNamespace
 
@@ -18,6 +19,7 @@ from rlhflab.trainers.online.passes import average_stats, backward, micro_losses
 from rlhflab.trainers.online.passes import update_passes
 
 from online_stubs import ADVANTAGES, Engine, Recorder, Roles, config, run, scored  # noqa: F401 - not every file uses each
+from online_stubs import Tokenizer, rollout_of
 
 
 def test_rows_are_named_with_the_train_prompts_they_answered():
@@ -333,3 +335,171 @@ def test_a_step_fp16s_scaler_skips_is_its_own_not_a_dropped_one():
     stats, _, scheduler = run(Huge(), scored([1, 2]), config(num_mini_batches=1), roles=roles)  # stop mode
     assert stats == {"skipped": 0} and roles.weight.item() == 0.0 and scheduler.last_epoch == 0
     assert roles.precision.skipped_steps == 1 and roles.precision.scaler.get_scale() < 65536
+
+
+# --- the loop's scoring, KL and per-update metrics (trainers/online/loop.py) ------------------------------------
+
+
+class Moved(torch.Tensor):
+    """A tensor that records the devices it is moved to."""
+
+    moves: list = []
+
+    def to(self, *args, **kwargs):
+        Moved.moves.append(args)
+        return super().to(*args, **kwargs)
+
+
+def test_scores_lose_the_length_penalties_and_a_row_the_reward_failed_on_scores_zero():
+    """Responses "5 6" + EOS (EOS 9: 3 tokens), "7 8 7 8" and "1 2 3 4" (both cut at the cap of 4 without EOS).
+    The reward gives 1, fails on row 1 (None), gives 3. Missing-EOS penalty 0.5; overlong cap 4, buffer 2,
+    factor 1: lengths 3, 4, 4 lose 0.5, 1, 1. Row 0: 1 - 0.5 = 0.5; row 2: 3 - 0.5 - 1 = 1.5; row 1, shaped
+    0 - 0.5 - 1 = -1.5, scores 0 and is invalid. The reward reads each response's text (its EOS left out), its
+    prompt and row, its token ids (EOS in, padding out) and the optimiser steps done."""
+    from rlhflab.trainers.online.loop import score_rollout
+
+    calls = []
+
+    def reward(prompts, responses, rows, context=None):
+        calls.append((prompts, responses, rows, context))
+        return [1.0, None, 3.0]
+
+    rows = [SimpleNamespace(prompt=f"p{i}") for i in range(3)]
+    rollout = rollout_of([[5, 6, 9, 0], [7, 8, 7, 8], [1, 2, 3, 4]], [3, 4, 4], [True, False, False])
+    scores, valid = score_rollout(rollout, reward, Tokenizer(), rows, 0.5, global_step=6, overlong=(4, 2, 1.0))
+    assert scores.tolist() == [0.5, 0.0, 1.5] and valid.tolist() == [True, False, True]
+    prompts, responses, got_rows, context = calls[0]
+    assert (prompts, responses, got_rows) == (["p0", "p1", "p2"], ["5 6", "7 8 7 8", "1 2 3 4"], rows)
+    assert context.completion_ids == [[5, 6, 9], [7, 8, 7, 8], [1, 2, 3, 4]] and context.global_step == 6
+    # no overlong shaping by default, and step 0: row 1 (no EOS) loses the 0.5 alone
+    scores, _ = score_rollout(rollout, lambda p, r, rows, context=None: [1.0, 2.0, 3.0], Tokenizer(), rows, 0.5)
+    assert scores.tolist() == [1.0, 1.5, 2.5]
+    score_rollout(rollout, reward, Tokenizer(), rows, 0.0)
+    assert calls[-1][3].global_step == 0
+
+
+def test_a_reward_with_the_wrong_number_of_scores_is_refused_and_scores_move_to_the_rollouts_device():
+    from rlhflab import rewards
+    from rlhflab.errors import UserInputError
+    from rlhflab.trainers.online.loop import score_rollout
+
+    rows = [SimpleNamespace(prompt="p")] * 3
+    rollout = rollout_of([[5, 9], [5, 9], [5, 9]], [2, 2, 2], [True] * 3)
+    with pytest.raises(UserInputError) as error:
+        score_rollout(rollout, lambda p, r, rows: [1.0, 2.0], Tokenizer(), rows, 0.0)
+    assert str(error.value) == ("reward_fn: the reward returned (2,) scores for 3 responses -> return one score per "
+                                "response, in the order given")
+    Moved.moves = []
+    scored = rewards.Scored(torch.tensor([1.0, 2.0, 3.0]).as_subclass(Moved),
+                            torch.ones(3, dtype=torch.bool).as_subclass(Moved))
+    scores, valid = score_rollout(rollout, lambda p, r, rows: scored, Tokenizer(), rows, 0.0)
+    assert scores.tolist() == [1.0, 2.0, 3.0] and valid.tolist() == [True] * 3
+    assert Moved.moves == [(torch.device("cpu"),), (torch.device("cpu"),)]
+
+
+def test_a_scored_batch_masks_failed_rows_and_holds_the_k1_kl_of_their_tokens():
+    """Row 1 the reward failed on: out of the mask, its KL 0. KL = log pi_old - log pi_ref on the rest's tokens
+    (0 on padding, whatever the log-probs there), its sum per response the sequence KL."""
+    from rlhflab.trainers.online.loop import scored_batch
+
+    rollout = rollout_of([[5, 6, 9], [5, 9, 0], [9, 0, 0]], [3, 2, 1], [True] * 3,
+                         logprobs=[[-1.0, -2.0, -0.5], [-1.0, -1.0, -4.0], [-0.25, -3.0, -3.0]],
+                         ref_logprobs=[[-1.5, -1.0, -0.5], [-3.0, -2.0, -1.0], [-1.0, -1.0, -1.0]])
+    scores, valid = torch.tensor([1.0, 0.0, 2.0]), torch.tensor([True, False, True])
+    batch = scored_batch(rollout, scores, valid, 3)
+    assert batch.rollout is rollout and batch.scores is scores and batch.valid is valid and batch.group_size == 3
+    assert batch.mask.tolist() == [[True, True, True], [False, False, False], [True, False, False]]
+    assert batch.kl.tolist() == [[0.5, -1.0, 0.0], [0.0, 0.0, 0.0], [0.75, 0.0, 0.0]]
+    assert batch.sequence_kl.tolist() == [-0.5, 0.0, 0.75] and batch.sampler_weights is None
+
+
+def sampler_cfg(**overrides):
+    base = dict(sampler_correction="token_truncate", sampler_correction_min=0.5, sampler_correction_max=2.0,
+                generation_backend="hf", async_generation=False)
+    return SimpleNamespace(**{**base, **overrides})
+
+
+def test_sampler_weights_are_the_truncated_ratios_when_the_correction_is_on_and_has_something_to_weigh(caplog):
+    """Trainer minus sampler log-probs ln 4, 0, ln 1.5 | ln 0.25, (masked) ln 8: weights 2 (clamped), 1, 1.5 |
+    0.5 (clamped), 0 where the batch's mask is False. Off ("none"), auto with the process's own sampler, auto
+    on a fresh asynchronous rollout, or no policy gradient: the batch as it is; no sampler log-probs: as it is,
+    warned about once."""
+    import logging
+
+    from rlhflab.trainers.online.loop import scored_batch, warn_uncorrected, with_sampler_weights
+
+    ln = math.log
+    sampler = [[0.0, -1.0, -ln(1.5)], [0.0, -ln(8.0)]]
+    rollout = rollout_of([[5, 6, 9], [5, 9, 0]], [3, 2], [True, True],
+                         logprobs=[[ln(4.0), -1.0, 0.0], [ln(0.25), 0.0, 0.0]],
+                         sampler_logprobs=[sampler[0], sampler[1] + [0.0]])
+    batch = scored_batch(rollout, torch.zeros(2), torch.tensor([True, True]), 1)
+    batch = dataclasses.replace(batch, mask=batch.mask & torch.tensor([[True, True, True], [True, False, False]]))
+    expected = [2.0, 1.0, 1.5, 0.5, 0.0, 0.0]
+    for cfg, kwargs in [(sampler_cfg(), {}), (sampler_cfg(), {"fresh": True}),
+                        (sampler_cfg(sampler_correction="auto", generation_backend="vllm"), {})]:
+        weighted = with_sampler_weights(batch, cfg, **kwargs)
+        assert weighted.sampler_weights.flatten().tolist() == pytest.approx(expected) and weighted.kl is batch.kl
+    for cfg, kwargs in [(sampler_cfg(sampler_correction="none"), {}), (sampler_cfg(sampler_correction="auto"), {}),
+                        (sampler_cfg(sampler_correction="auto", generation_backend="vllm"), {"fresh": True}),
+                        (sampler_cfg(), {"policy_gradient": False})]:
+        assert with_sampler_weights(batch, cfg, **kwargs) is batch
+    warn_uncorrected.cache_clear()
+    bare = dataclasses.replace(batch, rollout=dataclasses.replace(rollout, sampler_logprobs=None))
+    with caplog.at_level(logging.WARNING, logger="rlhflab"):
+        assert with_sampler_weights(bare, sampler_cfg(generation_backend="stub")) is bare
+        with_sampler_weights(bare, sampler_cfg(generation_backend="stub"))
+    assert [r.getMessage() for r in caplog.records] == [
+        "--sampler_correction token_truncate: the stub sampler reported no log-probs; the update is not corrected"]
+
+
+def test_sampler_weight_metrics_read_the_masked_tokens_only():
+    """Weights 0.5, 1, 1 | 2, 0, 1.5 on the six real tokens (9 and 0 on the masked ones), bounds [0.5, 2]: mean
+    6 / 6, min 0, max 2, at a bound 2 / 6, dropped (0) 1 / 6."""
+    from rlhflab.trainers.online.loop import sampler_weight_metrics
+
+    batch = scored([3, 3], width=4)
+    assert sampler_weight_metrics(batch, 0.5, 2.0) == {}
+    weights = torch.tensor([[0.5, 1.0, 1.0, 9.0], [2.0, 0.0, 1.5, 0.0]])
+    assert sampler_weight_metrics(dataclasses.replace(batch, sampler_weights=weights), 0.5, 2.0) == pytest.approx({
+        "sampler/is_weight_mean": 1.0, "sampler/is_weight_min": 0.0, "sampler/is_weight_max": 2.0,
+        "sampler/is_truncated_share": 2 / 6, "sampler/is_dropped_share": 1 / 6})
+    weights = torch.tensor([[1.0, 1.0, 1.0, -9.0], [1.0, 1.0, 1.0, 0.0]])  # the masked extremes stay out
+    metrics = sampler_weight_metrics(dataclasses.replace(batch, sampler_weights=weights), 0.5, 2.0)
+    assert (metrics["sampler/is_weight_min"], metrics["sampler/is_dropped_share"]) == (1.0, 0.0)
+
+
+def test_sampler_metrics_compare_the_samplers_logprobs_with_the_trainers_on_real_tokens():
+    """Sampler minus trainer log-probs 0.5, -1 | 0, -1, 1 on the real tokens (5 on row 0's padding): mean |gap|
+    3.5 / 5, largest 1, the per-response sums -0.5 and 0 average -0.25. No sampler log-probs: nothing."""
+    from rlhflab.trainers.online.loop import sampler_metrics
+
+    rollout = rollout_of([[5, 9, 0], [5, 6, 9]], [2, 3], [True, True], logprobs=[[-1.5, -1.0, 0.0], [-0.5, -2.0, -2.0]],
+                         sampler_logprobs=[[-1.0, -2.0, 5.0], [-0.5, -3.0, -1.0]])
+    assert sampler_metrics(rollout) == pytest.approx({"sampler/logprob_diff_mean": 0.7, "sampler/logprob_diff_max": 1.0,
+                                                      "sampler/kl": -0.25})
+    assert sampler_metrics(dataclasses.replace(rollout, sampler_logprobs=None)) == {}
+
+
+def test_an_updates_metrics_average_the_valid_rows_scores_and_kl_and_every_rows_length_and_entropy():
+    """Four responses of 3, 2, 1, 3 tokens in groups of 2, row 1's reward failed, row 2 cut without EOS: scores
+    1, 2, 3 of the valid rows average 2; their sequence KLs 0.75, 0.5, -0.25 average 1 / 3; entropy over the 9
+    real tokens 24 / 9 (99 on padding left out); lengths average 2.25; 3 ended with EOS; 1 invalid row."""
+    from rlhflab.rollout.diversity import diversity_metrics
+    from rlhflab.trainers.online.loop import rollout_metrics, sampler_metrics, sampler_weight_metrics, scored_batch
+
+    rollout = rollout_of([[5, 6, 9], [5, 9, 0], [7, 0, 0], [5, 6, 9]], [3, 2, 1, 3], [True, True, False, True],
+                         logprobs=[[0.25, 0.5, 0.0], [1.0, 1.0, 0.0], [0.5, 0.0, 0.0], [-0.25, 0.0, 0.0]],
+                         entropy=[[1, 2, 3], [4, 5, 99], [6, 99, 99], [1, 1, 1]],
+                         sampler_logprobs=[[0.0, 0.5, 0.0], [1.0, 1.0, 0.0], [0.5, 0.0, 0.0], [-0.25, 0.0, 0.0]])
+    batch = scored_batch(rollout, torch.tensor([1.0, 0.0, 2.0, 3.0]), torch.tensor([True, False, True, True]), 2)
+    batch = dataclasses.replace(batch, sampler_weights=torch.where(batch.mask, 0.5, 0.0))
+    keys = [4, 4, 8, 8]
+    assert rollout_metrics(batch, keys, (0.5, 2.0)) == pytest.approx({
+        "objective/scores": 2.0, "objective/kl": 1 / 3, "objective/entropy": 24 / 9, "val/num_eos_tokens": 3,
+        "response/length_mean": 2.25, "reward/invalid_rows": 1,
+        **diversity_metrics(rollout.response_ids, rollout.response_mask, rollout.ended_with_eos, keys, 2),
+        **sampler_metrics(rollout), **sampler_weight_metrics(batch, 0.5, 2.0)})
+    assert "response/duplicate_share_group" in rollout_metrics(batch, keys, (0.5, 2.0))
+    none = scored_batch(rollout, torch.zeros(4), torch.zeros(4, dtype=torch.bool), 2)
+    assert math.isnan(rollout_metrics(none, keys, (0.5, 2.0))["objective/scores"])
