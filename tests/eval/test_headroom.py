@@ -380,3 +380,110 @@ def test_eval_hands_the_probe_its_model_settings_and_split(monkeypatch, tmp_path
             eval_headroom.check_headroom_fields(dataclasses_replace(cfg, **{field: value}))
         assert refused.value.fix == {"samples_per_prompt": "1 = no headroom probe; 4 or 8 samples per prompt for one",
                                      "headroom_prompts": "0 = every prompt of the split"}[field]
+
+
+def test_pass_at_k_and_a_familys_rates_say_what_was_wrong():
+    with pytest.raises(ValueError) as refused:
+        pass_at_k(4, 1, 5)
+    assert str(refused.value) == "pass@k needs 0 <= c <= n and 1 <= k <= n, got n=4 c=1 k=5"
+    with pytest.raises(ValueError) as mismatched:  # greedy verdicts given, but not one per prompt of samples
+        family_headroom("yes_no", [True], [[True], [False]])
+    assert str(mismatched.value) == "yes_no: 1 greedy verdicts for 2 prompts of samples"
+    assert hand_probe()["overall"]["family"] == "overall"
+
+
+def test_sample_verdicts_answers_in_batches_from_a_generator_of_its_own(monkeypatch):
+    from types import SimpleNamespace
+
+    from rlhflab.rollout import GenerationSettings
+    from rlhflab.trainers import headroom
+
+    calls = {}
+
+    def answers(model, tokenizer, prompts, settings, **kw):
+        calls["generate"] = (model, tokenizer, prompts, settings, kw)
+        return [SimpleNamespace(text=f"{p}!", ended_with_eos=True) for p in prompts]
+
+    monkeypatch.setattr(headroom, "generate_answers", answers)
+    monkeypatch.setattr(headroom, "verify_rows", lambda answered, asked, verifier: [
+        {**a, "passed": a["answer"] == "a!"} for a in answered])
+    rows = [PromptRow("a", {"family": "yes_no"}), PromptRow("b", {"family": "yes_no"})]
+    settings = GenerationSettings(3, True, 0.5)
+    assert headroom.sample_verdicts("m", "t", rows, "v", settings, 2, 3, 7) == [[True, True], [False, False]]
+    model, tokenizer, prompts, used, kw = calls["generate"]
+    assert (model, tokenizer, prompts, used) == ("m", "t", ["a", "a", "b", "b"], settings)
+    assert set(kw) == {"batch_size", "generator"} and kw["batch_size"] == 3
+    assert torch.equal(kw["generator"].get_state(), torch.Generator().manual_seed(7).get_state())
+
+
+def test_the_probe_decodes_greedily_then_samples_the_full_softmax(monkeypatch):
+    from types import SimpleNamespace
+
+    from rlhflab.rollout import GenerationSettings
+    from rlhflab.trainers import headroom
+
+    calls = []
+
+    def verdicts(model, tokenizer, rows, verifier, settings, repeats, batch_size, seed):
+        calls.append((settings, repeats, batch_size, seed))
+        return [[row.prompt == "a"] * repeats for row in rows]
+
+    monkeypatch.setattr(headroom, "sample_verdicts", verdicts)
+    monkeypatch.setattr(headroom, "time", SimpleNamespace(time=iter([100.0, 101.23456]).__next__))
+    rows = [PromptRow("a", {"family": "yes_no"}), PromptRow("b", {"family": "yes_no"})]
+    probe = headroom.probe_headroom("m", "t", rows, "v", samples_per_prompt=1, temperature=0.7, max_new_tokens=5)
+    greedy, sampled = calls  # one sample per prompt is allowed: the defaults batch 100 answers, seed 0
+    assert greedy == (GenerationSettings(5, False, 1.0, 0, 1.0), 1, 100, 0) and greedy[0].do_sample is False
+    assert sampled == (GenerationSettings(5, True, 0.7, 0, 1.0), 1, 100, 0) and sampled[0].do_sample is True
+    assert probe["thresholds"] == {"min_pass_at_k": 0.02, "min_prompts_with_pass": 2, "ceiling": 0.9}
+    assert (probe["seed"], probe["seconds"], probe["overall"]["pass_at_k"]) == (0, 1.23, 0.5)
+
+
+def test_a_short_family_name_keeps_the_table_eight_wide():
+    rows = [PromptRow("a", {"family": "ab"}), PromptRow("b", {"family": "ab"})]
+    probe = {"split": "validation", "prompts": 2, "samples_per_prompt": 2, "temperature": 1.0, "seconds": 0.5,
+             **probe_from_verdicts(rows, [True, False], [[True, False], [True, True]])}
+    lines = format_headroom(probe).splitlines()
+    assert lines[1:4] == ["headroom   greedy  sampled   pass@2", "-" * 35,
+                          "ab            50%      75%     100%   (n=2)"]
+
+
+def test_online_probe_fields_take_zero_and_refuse_a_negative_in_words():
+    from types import SimpleNamespace
+
+    from rlhflab.errors import UserInputError
+    from rlhflab.trainers.headroom import check_probe_fields
+
+    check_probe_fields(SimpleNamespace(headroom_samples=0, headroom_prompts=0))  # off / the eval_prompts ones
+    for name in ("headroom_samples", "headroom_prompts"):
+        with pytest.raises(UserInputError) as refused:
+            check_probe_fields(SimpleNamespace(**{"headroom_samples": 0, "headroom_prompts": 0, name: -1}))
+        assert (refused.value.what, refused.value.where, refused.value.fix) == (
+            f"{name} must be >= 0, got -1", f"--{name}",
+            "headroom_samples 0 turns the probe off; headroom_prompts 0 probes the eval_prompts ones")
+
+
+def test_the_online_loop_probes_one_prompt_with_one_sample_and_logs_its_table(monkeypatch, caplog):
+    import logging
+    from types import SimpleNamespace
+
+    from rlhflab.trainers import headroom
+
+    calls = []
+    monkeypatch.setattr(headroom, "probe_headroom", lambda *args, **kw: calls.append((args, kw)) or hand_probe())
+    run = SimpleNamespace(write_json=lambda name, payload: None)
+    rows, verifier = suite_rows("validation", 3), FamilyVerifier(set())
+    cfg = SimpleNamespace(headroom_samples=1, headroom_prompts=0, eval_prompts=1, temperature=1.0, response_length=4,
+                          eval_batch_size=2, seed=0)
+    with caplog.at_level(logging.INFO, logger="rlhflab"):
+        assert headroom.record_start_headroom("p", "t", rows, verifier, cfg, run) == hand_probe()
+    assert calls[0][0][2] == rows[:1] and calls[0][1]["samples_per_prompt"] == 1
+    assert caplog.messages == [format_headroom(hand_probe())]
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="rlhflab"):
+        headroom.record_start_headroom("p", "t", rows, None, cfg, run)
+        headroom.record_start_headroom("p", "t", rows, verifier, SimpleNamespace(**{**vars(cfg), "eval_prompts": 0}),
+                                       run)
+    assert caplog.messages == [
+        "headroom probe skipped: no verifier says which answers pass (pass --verifier)",
+        "headroom probe skipped: no validation prompts (eval_prompts 0; set --headroom_prompts N to probe)"]
