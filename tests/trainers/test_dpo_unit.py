@@ -2,15 +2,20 @@
 ones read means, which read the reference), the run's length in steps and pairs, and the refusals (issue 36)."""
 
 import math
+from contextlib import contextmanager
 from types import SimpleNamespace
 
 import pytest
 import torch
+from transformers import LlamaConfig, LlamaForCausalLM
 
+from rlhflab import parallel
 from rlhflab.config import DPOConfig
 from rlhflab.errors import UserInputError
+from rlhflab.models.precision import MixedPrecision
 from rlhflab.trainers import dpo
-from rlhflab.trainers.dpo_logps import SequenceLogps
+from rlhflab.trainers.dpo_data import DPOData, PreferencePair
+from rlhflab.trainers.dpo_logps import SequenceLogps, pair_batch, precompute_logps, sequence_logps
 
 
 def dpo_cfg(**fields) -> DPOConfig:
@@ -125,3 +130,316 @@ def test_what_dpo_accepts_at_the_edges(caplog):
     with caplog.at_level("WARNING", logger="rlhflab"):
         dpo.check_dpo_config(dpo_cfg(loss_type="ipo", reference="ref-folder"))
     assert caplog.text == ""
+
+
+# --- train_step, evaluate, the reference log-probs: a 1-layer Llama over 6 tokens and stand-ins ----------------
+
+PAD = 0
+# (chosen, rejected) lengths (8, 8) sharing 7 tokens, (4, 4) sharing 2, (6, 6) sharing 1: padded rows are 8, 4, 6
+# tokens long, packed rows 9, 6, 11, so the two length orders differ
+P_Y = PreferencePair([5, 3, 4, 2, 3, 4, 2, 1], [5, 3, 4, 2, 3, 4, 2, 4], 2, 2)
+P_Z = PreferencePair([5, 3, 4, 1], [5, 3, 2, 1], 2, 2)
+P_X = PreferencePair([5, 1, 2, 3, 4, 1], [5, 4, 3, 2, 1, 1], 1, 1)
+BATCH = [P_Y, P_Z, P_X]
+# a stored reference of BATCH, one distinct number per pair and side
+BATCH_REFERENCE = SequenceLogps(torch.tensor([-9.0, -3.0, -6.5]), torch.tensor([-8.0, -4.5, -7.0]),
+                                torch.tensor([6.0, 2.0, 5.0]), torch.tensor([6.0, 2.0, 5.0]))
+
+
+def tiny_llama() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=6, hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=2, pad_token_id=PAD, eos_token_id=1)
+    return LlamaForCausalLM(config).train()
+
+
+class RecordingWrapped:
+    """parallel.Wrapped of one process, recording each forward's arguments and each sync flag."""
+
+    def __init__(self, model):
+        self.model, self.world, self.forwards, self.syncs = model, parallel.SINGLE, [], []
+
+    def __call__(self, fn, *args):
+        self.forwards.append((fn, *args))
+        return fn(self.model, *args)
+
+    @contextmanager
+    def sync(self, enabled):
+        self.syncs.append(enabled)
+        yield
+
+    def backward(self, loss_part):
+        loss_part.backward()
+
+
+def captured_step(monkeypatch, grad_norm):
+    """clip_and_step replaced: records its arguments and the gradients it would clip; returns `grad_norm`."""
+    calls = []
+
+    def capture(optimizer, scheduler, params, max_grad_norm, loss, mode, stage, engine=None, precision=None):
+        params = list(params)
+        calls.append(dict(optimizer=optimizer, scheduler=scheduler, params=params, max_grad_norm=max_grad_norm,
+                          loss=loss, mode=mode, stage=stage, engine=engine, precision=precision,
+                          grads=[p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in params]))
+        return grad_norm
+
+    monkeypatch.setattr(dpo, "clip_and_step", capture)
+    return calls
+
+
+def naive_gradient(model, cfg, pairs, reference, weight=1.0):
+    """The loss of `pairs` in one padded forward, and the gradient of `weight` times it."""
+    model.zero_grad()
+    loss, stats = dpo.preference_loss(cfg, sequence_logps(model, pair_batch(pairs, PAD, False)), reference)
+    (weight * loss).backward()
+    grads = [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
+    model.zero_grad()
+    return stats, grads
+
+
+def test_train_step_gives_the_whole_batch_gradient_from_length_sorted_micro_batches(monkeypatch):
+    model = tiny_llama()
+    cfg = dpo_cfg(beta=0.5, gradient_accumulation_steps=2, max_grad_norm=0.7, nonfinite="skip")
+    expected_stats, expected_grads = naive_gradient(model, cfg, BATCH, BATCH_REFERENCE)
+    calls = captured_step(monkeypatch, torch.tensor(2.5))
+    wrapped, optimizer, scheduler, precision = RecordingWrapped(model), object(), object(), MixedPrecision()
+    stats = dpo.train_step(wrapped, optimizer, scheduler, BATCH, BATCH_REFERENCE,
+                           parallel.share_of(3, parallel.SINGLE), cfg, True, PAD, precision)
+    # packed rows 9, 6, 11 tokens: micro-batches (Z, Y) then (X), one forward each, gradients synced after the last
+    assert [(fn, pairs, pad, packed, chunks) for fn, pairs, pad, packed, chunks in wrapped.forwards] == [
+        (dpo.chunked_logps, [P_Z, P_Y], PAD, True, 1), (dpo.chunked_logps, [P_X], PAD, True, 1)]
+    assert wrapped.syncs == [False, True]
+    (call,) = calls
+    assert call["optimizer"] is optimizer and call["scheduler"] is scheduler and call["engine"] is wrapped
+    assert call["precision"] is precision and call["params"] == list(model.parameters())
+    assert (call["max_grad_norm"], call["mode"], call["stage"]) == (0.7, "skip", "DPO")
+    assert call["loss"] == pytest.approx(expected_stats["loss"], abs=1e-6)
+    for got, want in zip(call["grads"], expected_grads):
+        assert torch.allclose(got, want, atol=1e-6)
+    assert any(g.abs().sum() > 0 for g in expected_grads)
+    assert stats.pop("grad_norm") == 2.5 and stats.pop("skipped") is False
+    assert stats == pytest.approx(expected_stats, abs=1e-6)
+
+
+def test_train_step_reads_padded_lengths_and_no_reference_for_simpo(monkeypatch):
+    model = tiny_llama()
+    cfg = dpo_cfg(loss_type="simpo", beta=2.0, simpo_gamma=0.5)
+    expected_stats, expected_grads = naive_gradient(model, cfg, BATCH, None)
+    calls = captured_step(monkeypatch, None)  # a dropped step
+    wrapped = RecordingWrapped(model)
+    stats = dpo.train_step(wrapped, None, None, BATCH, None, parallel.share_of(3, parallel.SINGLE), cfg, False, PAD)
+    # padded rows 8, 4, 6 tokens: one micro-batch sorted Z, X, Y; stats in batch order
+    assert [args[1] for args in wrapped.forwards] == [[P_Z, P_X, P_Y]] and wrapped.syncs == [True]
+    for got, want in zip(calls[0]["grads"], expected_grads):
+        assert torch.allclose(got, want, atol=1e-6)
+    assert math.isnan(stats.pop("grad_norm")) and stats.pop("skipped") is True
+    assert stats == pytest.approx(expected_stats, abs=1e-6)
+    overflowed = MixedPrecision()
+    overflowed.overflowed = True  # fp16's scaler skipped it: not counted as a dropped step
+    monkeypatch.setattr(dpo, "clip_and_step", lambda *a, **k: None)
+    assert dpo.train_step(wrapped, None, None, BATCH, None, parallel.share_of(3, parallel.SINGLE), cfg, False, PAD,
+                          overflowed)["skipped"] is False
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_padding_rows_of_a_share_run_forward_with_no_weight(monkeypatch, accumulation):
+    """This rank's share of a global batch of 2: Z real, then Y as padding; Z's loss weighs 1/2 of the batch."""
+    model = tiny_llama()
+    cfg = dpo_cfg(beta=0.5, gradient_accumulation_steps=accumulation)
+    reference = SequenceLogps(*(t[:2] for t in BATCH_REFERENCE))
+    _, expected_grads = naive_gradient(model, cfg, [P_Z], SequenceLogps(*(t[1:2] for t in reference)), weight=0.5)
+    calls = captured_step(monkeypatch, torch.tensor(1.0))
+    wrapped = RecordingWrapped(model)
+    dpo.train_step(wrapped, None, None, [P_Y, P_Z], reference, parallel.Share([1, 0], 1, 2), cfg, True, PAD)
+    assert [args[1] for args in wrapped.forwards] == ([[P_Z, P_Y]] if accumulation == 1 else [[P_Z], [P_Y]])
+    for got, want in zip(calls[0]["grads"], expected_grads):
+        assert torch.allclose(got, want, atol=1e-6)
+
+
+@pytest.mark.parametrize("length_chunks, pairs, expected", [(0, 40, 2), (0, 8, 1), (3, 8, 3)])
+def test_a_micro_batch_runs_in_one_forward_per_16_pairs_unless_length_chunks_says(monkeypatch, length_chunks, pairs,
+                                                                                   expected):
+    captured_step(monkeypatch, torch.tensor(1.0))
+    wrapped = RecordingWrapped(tiny_llama())
+    batch = [BATCH[i % 3] for i in range(pairs)]
+    dpo.train_step(wrapped, None, None, batch, None, parallel.share_of(pairs, parallel.SINGLE),
+                   dpo_cfg(loss_type="simpo", length_chunks=length_chunks), False, PAD)
+    chunks = wrapped.forwards[0][-1]
+    assert chunks == expected and type(chunks) is int
+
+
+class RecordingRun:
+    def __init__(self):
+        self.logged = []
+
+    def log(self, metrics, step):
+        self.logged.append((dict(metrics), step))
+
+
+def dpo_data(train=(), validation=(), rows=(), verifier=None) -> DPOData:
+    return DPOData(list(train), list(validation), list(rows), verifier, "built-in suite")
+
+
+def test_evaluate_gives_the_validation_pairs_metrics_and_the_verifier_s_pass_rate(monkeypatch):
+    precomputed, validated = [], []
+    monkeypatch.setattr(dpo, "precompute_logps", lambda *a: precomputed.append(a) or POLICY)
+    monkeypatch.setattr(dpo, "validate_pass_rate",
+                        lambda *a, **k: validated.append((a, k)) or {"overall": 0.375, "by_family": {}})
+    policy, tokenizer, run = tiny_llama(), SimpleNamespace(pad_token_id=PAD), RecordingRun()
+    cfg, verifier = dpo_cfg(loss_type="sigmoid", beta=0.5), object()
+    data = dpo_data(validation=BATCH[:2], rows=["row"], verifier=verifier)
+    metrics = dpo.evaluate(policy, tokenizer, data, REFERENCE, cfg, 7, run, True)
+    _, stats = dpo.preference_loss(cfg, POLICY, REFERENCE)
+    assert metrics == {**{f"val/{k}": v for k, v in stats.items()}, "val/pass_rate": 0.375}
+    assert run.logged == [(metrics, 7)] and policy.training
+    assert precomputed == [(policy, BATCH[:2], PAD, True)]
+    assert validated == [((policy, tokenizer, ["row"], verifier, cfg, 7, run), {"sample_count": dpo.SAMPLE_ANSWERS})]
+
+
+def test_evaluate_has_no_pass_rate_without_a_verifier_or_its_rows_and_logs_nothing_empty(monkeypatch):
+    monkeypatch.setattr(dpo, "validate_pass_rate", lambda *a, **k: pytest.fail("no verifier: no answers"))
+    policy, run = tiny_llama(), RecordingRun()
+    tokenizer = SimpleNamespace(pad_token_id=PAD)
+    assert dpo.evaluate(policy, tokenizer, dpo_data(rows=["row"]), None, dpo_cfg(), 3, run, False) == {}
+    assert dpo.evaluate(policy, tokenizer, dpo_data(verifier=object()), None, dpo_cfg(), 3, run, False) == {}
+    assert run.logged == [] and policy.training
+    policy.eval()  # the model is put back in training mode even when it came in eval mode
+    metrics = dpo.evaluate(policy, tokenizer, dpo_data(validation=[P_Z]), None, dpo_cfg(loss_type="simpo"), 4, run, False)
+    expected = dpo.preference_loss(dpo_cfg(loss_type="simpo"), precompute_logps(policy, [P_Z], PAD, False), None)[1]
+    assert metrics == pytest.approx({f"val/{k}": v for k, v in expected.items()}) and policy.training
+
+
+class GatheringWrapped:
+    def __init__(self, model):
+        self.model, self.world = model, parallel.SINGLE
+
+    @contextmanager
+    def gathered(self):
+        yield self.model
+
+
+@pytest.mark.parametrize("shared_prefix, packs, packed", [(True, True, True), (True, False, False), (False, True, False)])
+def test_evaluate_on_main_evaluates_the_whole_model_packed_where_it_can(monkeypatch, shared_prefix, packs, packed):
+    calls, asked = [], []
+    monkeypatch.setattr(dpo, "evaluate", lambda *a: calls.append(a) or {"val/loss": 0.5})
+    monkeypatch.setattr(dpo, "can_pack", lambda model: asked.append(model) or packs)
+    whole, tokenizer, data, run, cfg = object(), object(), dpo_data(), object(), dpo_cfg(shared_prefix=shared_prefix)
+    assert dpo.evaluate_on_main(GatheringWrapped(whole), tokenizer, data, REFERENCE, cfg, 5, run) == {"val/loss": 0.5}
+    assert calls == [(whole, tokenizer, data, REFERENCE, cfg, 5, run, packed)]
+    assert asked == ([whole] if shared_prefix else [])
+
+
+def test_reference_logps_are_the_starting_policy_s_for_each_split_or_none(monkeypatch):
+    computed = []
+    monkeypatch.setattr(dpo, "shared_precompute", lambda *a: computed.append(a) or len(computed))
+    monkeypatch.setattr(dpo, "can_pack", lambda model: True)
+    policy, world = tiny_llama(), SimpleNamespace(device="cpu")
+    data = dpo_data(train=BATCH, validation=[P_Z])
+    assert dpo.reference_logps(dpo_cfg(loss_type="simpo"), policy, data, PAD, world) == {"train": None,
+                                                                                         "validation": None}
+    assert computed == []
+    assert dpo.reference_logps(dpo_cfg(shared_prefix=True), policy, data, PAD, world) == {"train": 1, "validation": 2}
+    assert computed == [(policy, BATCH, PAD, True, world), (policy, [P_Z], PAD, True, world)]
+    computed.clear()
+    assert dpo.reference_logps(dpo_cfg(shared_prefix=False), policy, dpo_data(train=BATCH), PAD, world) == {
+        "train": 1, "validation": None}
+    assert computed == [(policy, BATCH, PAD, False, world)]
+
+
+def test_another_reference_is_loaded_like_the_policy_in_its_dtype_without_dropout(monkeypatch):
+    loaded, dropped, packs = [], [], []
+
+    class Reference:
+        def to(self, dtype):
+            loaded.append(("to", dtype))
+            return self
+
+    reference = Reference()
+    monkeypatch.setattr(dpo.models, "load_causal_lm", lambda *a, **k: loaded.append((a, k)) or reference)
+    monkeypatch.setattr(dpo.models, "disable_dropout", dropped.append)
+    monkeypatch.setattr(dpo, "can_pack", lambda model: packs.append(model) or False)
+    monkeypatch.setattr(dpo, "shared_precompute", lambda *a: a)
+    policy, world = tiny_llama().to(torch.float64), SimpleNamespace(device="meta")
+    cfg = dpo_cfg(reference="ref-folder", dtype="bfloat16", trust_remote_code=True, shared_prefix=True)
+    out = dpo.reference_logps(cfg, policy, dpo_data(train=[P_Z]), PAD, world)
+    assert loaded == [(("ref-folder",), {"dtype": "bfloat16", "trust_remote_code": True, "device": "meta"}),
+                      ("to", torch.float64)]
+    assert dropped == [reference] and packs == [reference]
+    assert out == {"train": (reference, [P_Z], PAD, False, world), "validation": None}
+
+
+def test_shared_precompute_computes_this_rank_s_block_only():
+    model = tiny_llama()
+    whole = dpo.shared_precompute(model, BATCH, PAD, True, parallel.SINGLE)
+    expected = precompute_logps(model, BATCH, PAD, True)
+    for got, want in zip(whole, expected):
+        assert torch.equal(got, want)
+    second = SimpleNamespace(world_size=2, rank=1, distributed=False)  # its block: pair 2 (and a padding repeat)
+    mine = dpo.shared_precompute(model, BATCH, PAD, False, second)
+    for got, want in zip(mine, precompute_logps(model, [P_X], PAD, False)):
+        assert torch.equal(got, want)
+    none = dpo.shared_precompute(model, [P_X], PAD, False, second)  # 1 pair over 2 ranks: none here
+    assert isinstance(none, SequenceLogps) and [t.shape for t in none] == [(0,)] * 4
+
+
+@pytest.mark.parametrize("lora_r, tokenizer, device", [(0, "", None), (8, "tok-folder", "meta")])
+def test_build_policy_loads_the_model_in_float32_unless_lora_trains_it(monkeypatch, lora_r, tokenizer, device):
+    calls = []
+    monkeypatch.setattr(dpo.models, "load_tokenizer", lambda *a, **k: calls.append(("tokenizer", a, k)) or "TOK")
+    monkeypatch.setattr(dpo.models, "load_causal_lm", lambda *a, **k: calls.append(("model", a, k)) or "LOADED")
+    monkeypatch.setattr(dpo, "float32_for_training", lambda m, what: calls.append(("float32", m, what)) or "FLOAT32")
+    monkeypatch.setattr(dpo.models, "disable_dropout", lambda m: calls.append(("dropout", m)))
+    monkeypatch.setattr(dpo, "resolve_device", lambda name: calls.append(("device", name)) or "RESOLVED")
+    cfg = dpo_cfg(model="policy-folder", tokenizer=tokenizer, lora_r=lora_r, dtype="float16", trust_remote_code=True,
+                  device="cpu")
+    policy, tok = dpo.build_policy(cfg, device)
+    kept = "LOADED" if lora_r else "FLOAT32"
+    assert (policy, tok) == (kept, "TOK")
+    assert calls == [("tokenizer", (tokenizer or "policy-folder",), {"trust_remote_code": True}),
+                     *([] if device else [("device", "cpu")]),
+                     ("model", ("policy-folder",), {"dtype": "float16", "trust_remote_code": True,
+                                                    "device": device or "RESOLVED"}),
+                     *([] if lora_r else [("float32", "LOADED", "policy policy-folder")]), ("dropout", kept)]
+
+
+def test_lora_rank_1_trains_adapters_and_rank_0_the_whole_model_in_float32(monkeypatch):
+    cast = []
+    monkeypatch.setattr(dpo.models, "load_tokenizer", lambda *a, **k: "TOK")
+    monkeypatch.setattr(dpo.models, "load_causal_lm", lambda *a, **k: "LOADED")
+    monkeypatch.setattr(dpo, "float32_for_training", lambda m, what: cast.append(m) or m)
+    monkeypatch.setattr(dpo.models, "disable_dropout", lambda m: None)
+    dpo.build_policy(dpo_cfg(lora_r=1), "cpu")
+    assert cast == []
+
+
+def test_summary_fields_hold_the_run_s_length_held_out_numbers_and_times(monkeypatch):
+    monkeypatch.setattr(dpo.time, "time", lambda: 1012.34567)
+    verifier = SimpleNamespace(name="checker")
+    data = dpo_data(train=BATCH, validation=[P_Z], verifier=verifier)
+    data = DPOData(data.train, data.validation, [], verifier, "prefs.jsonl")
+    first = {"val/pass_rate": 0.25, "val/rewards/accuracies": 0.5, "val/rewards/margins": 0.0}
+    last_eval = {"val/pass_rate": 0.75, "val/rewards/accuracies": 1.0, "val/rewards/margins": 2.5}
+    progress = {"step": 6, "pairs_seen": 24, "first": first, "last_eval": last_eval, "last": {"loss": 0.3},
+                "skipped": 1, "budget_stop": {"max_seconds": 9.0}}
+    walls = {"setup": 1.23456, "loop": 4.0, "evaluation": 0.5, "save": 0.25}
+    fields = dpo.summary_fields(dpo_cfg(loss_type="ipo", beta=0.25, nonfinite="skip"), data, progress, walls, 1000.0, 4)
+    assert fields == {
+        "stage": "dpo", "loss_type": "ipo", "beta": 0.25, "prompts": "prefs.jsonl", "train_pairs": 3,
+        "validation_pairs": 1, "verifier": "checker", "steps": 6, "pairs_seen": 24, "episodes": 24,
+        "validation_pass_rate": {"start": 0.25, "end": 0.75}, "validation_accuracy": {"start": 0.5, "end": 1.0},
+        "validation_margin": {"start": 0.0, "end": 2.5}, "final": {"loss": 0.3}, "stopped": None,
+        "budget_stop": {"max_seconds": 9.0}, "pairs_per_s": 5.0,  # 20 pairs this session in 4 s of loop
+        "wall_time_s": {"setup": 1.235, "loop": 4.0, "evaluation": 0.5, "save": 0.25, "total": 12.346},
+        "nonfinite": {"mode": "skip", "skipped_updates": 1}}
+
+
+def test_summary_fields_without_a_verifier_name_or_any_loop_time(monkeypatch):
+    class Checker:  # no `name`: its class name
+        pass
+
+    progress = {"step": 0, "pairs_seen": 3, "first": {}, "last_eval": {}, "last": {}, "skipped": 0, "budget_stop": None}
+    walls = {"setup": 0.0, "loop": 0.0, "evaluation": 0.0, "save": 0.0}
+    named = dpo.summary_fields(dpo_cfg(), dpo_data(verifier=Checker()), progress, walls, 0.0, 0)
+    assert named["verifier"] == "Checker" and named["validation_accuracy"] == {"start": None, "end": None}
+    assert named["pairs_per_s"] == 3e9  # 3 pairs over the 1e-9 s floor
+    assert dpo.summary_fields(dpo_cfg(), dpo_data(), progress, walls, 0.0, 0)["verifier"] is None
