@@ -1,6 +1,7 @@
 """DPO's pieces that need no model (trainers/dpo.py): each loss type's number on hand-made summed log-probs (which
 ones read means, which read the reference), the run's length in steps and pairs, and the refusals (issue 36)."""
 
+import json
 import math
 from contextlib import contextmanager
 from types import SimpleNamespace
@@ -443,3 +444,110 @@ def test_summary_fields_without_a_verifier_name_or_any_loop_time(monkeypatch):
     assert named["verifier"] == "Checker" and named["validation_accuracy"] == {"start": None, "end": None}
     assert named["pairs_per_s"] == 3e9  # 3 pairs over the 1e-9 s floor
     assert dpo.summary_fields(dpo_cfg(), dpo_data(), progress, walls, 0.0, 0)["verifier"] is None
+
+
+# --- the run: a stand-in tokenizer and data, the 6-token Llama, a clock that ticks 1 s per reading ----------------
+
+TRAIN_PAIRS = [P_Y, P_Z, P_X, P_Z, P_Y]
+
+
+def stand_in_run(monkeypatch, tmp_path, **fields):
+    """dpo.train's loading, global settings and final save replaced; every call recorded in the returned list."""
+    calls, tokenizer, ticks = [], SimpleNamespace(pad_token_id=PAD), iter(range(100, 10_000))
+    data = DPOData(TRAIN_PAIRS, [P_X, P_Z], [], None, "hand-made pairs")
+    policy = tiny_llama()
+    monkeypatch.setattr(dpo, "time", SimpleNamespace(time=lambda: float(next(ticks))))
+    monkeypatch.setattr(dpo, "configure_threads", lambda n: calls.append(("threads", n)))
+    monkeypatch.setattr(dpo.models, "configure_logits_chunks", lambda mib: calls.append(("logits_chunks", mib)))
+    monkeypatch.setattr(dpo, "seed_everything", lambda *a: calls.append(("seed", *a)))
+    monkeypatch.setattr(dpo.models, "load_tokenizer", lambda *a, **k: calls.append(("tokenizer", a, k)) or tokenizer)
+    monkeypatch.setattr(dpo, "load_dpo_data", lambda *a: calls.append(("data", *a)) or data)
+    monkeypatch.setattr(dpo, "build_policy", lambda *a: calls.append(("policy", *a)) or (policy, tokenizer))
+    monkeypatch.setattr(dpo, "save_policy_folder",
+                        lambda *a: calls.append(("save", *a)) or tmp_path / "run" / "model")
+    monkeypatch.setattr(dpo, "add_lora", lambda *a: calls.append(("lora", *a)) or a[0])
+    monkeypatch.setattr(dpo.models, "enable_gradient_checkpointing", lambda *a: calls.append(("checkpointing", *a)))
+    step, evaluate = dpo.train_step, dpo.evaluate_on_main  # run, their arguments recorded
+    monkeypatch.setattr(dpo, "train_step", lambda *a: calls.append(("step", *a)) or step(*a))
+    monkeypatch.setattr(dpo, "evaluate_on_main", lambda *a: calls.append(("evaluate", *a)) or evaluate(*a))
+    cfg = dpo_cfg(model="policy-folder", tokenizer="tok-folder", trust_remote_code=True, output_dir=str(tmp_path / "run"),
+                  batch_size=2, num_epochs=1, beta=0.5, learning_rate=0.05, warmup_steps=0, lr_schedule="linear",
+                  log_every=1, eval_every=2, save_every=2, threads=1, logits_chunk_mib=7, seed=3, progress=False,
+                  device="cpu", **fields)
+    return cfg, calls, data, policy, tokenizer
+
+
+def test_a_run_steps_logs_evaluates_and_summarises_its_pairs(monkeypatch, tmp_path):
+    cfg, calls, data, policy, tokenizer = stand_in_run(monkeypatch, tmp_path)
+    start = [p.detach().clone() for p in policy.parameters()]
+    result = dpo.train(cfg)
+    # 5 pairs, batches of 2, one epoch: 3 steps, the last of 1 pair
+    rows = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+    evals = [(r["step"], r["val/rewards/margins"]) for r in rows if "val/loss" in r]
+    steps = [r for r in rows if "loss" in r]
+    assert [e[0] for e in evals] == [0, 2, 3] and evals[0][1] == 0.0 and evals[-1][1] > 0.0
+    assert [(r["step"], r["pairs_seen"], r["epoch"], r["elapsed_s"]) for r in steps] == [
+        (1, 2, 0.4, 5.0), (2, 4, 0.8, 10.0), (3, 5, 1.0, 15.0)]  # the clock: 5 readings a step
+    assert steps[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)  # the policy is its own reference at step 1
+    assert steps[0]["rewards/margins"] == pytest.approx(0.0, abs=1e-6) and steps[-1]["loss"] < math.log(2)
+    assert [r["lr"] for r in steps] == pytest.approx([0.05 * 2 / 3, 0.05 / 3, 0.0])  # linear decay over 3 steps
+    assert all(math.isfinite(r["grad_norm"]) for r in steps)
+    assert all(not torch.equal(a, b) for a, b in zip(start, policy.parameters()))
+    assert sorted(p.name for p in (result.run_dir / "checkpoints").iterdir()) == ["step-2", "step-3"]
+    summary = json.loads((result.run_dir / "summary.json").read_text())
+    assert result.summary == summary and result.model_dir == tmp_path / "run" / "model"
+    assert {k: summary[k] for k in ("stage", "steps", "pairs_seen", "train_pairs", "validation_pairs", "prompts",
+                                    "budget_stop", "pairs_per_s", "wall_time_s", "model_dir")} == {
+        "stage": "dpo", "steps": 3, "pairs_seen": 5, "train_pairs": 5, "validation_pairs": 2,
+        "prompts": "hand-made pairs", "budget_stop": None, "pairs_per_s": 1.7, "model_dir": str(result.model_dir),
+        # setup 1 s, the first evaluation 1 s; each step: 1 s of step, 2 s of logging / evaluation, 1 s of saving
+        "wall_time_s": {"setup": 1.0, "loop": 3.0, "evaluation": 7.0, "save": 4.0, "total": 20.0}}
+    assert {**summary["final"], "step": 3} == steps[-1] and summary["validation_margin"]["end"] == evals[-1][1]
+    assert summary["precision"] == MixedPrecision().describe()
+    assert summary["parallel"] == {"strategy": "none", "world_size": 1, "sharded_state": False, "backend": None,
+                                   "device": "cpu"}
+    world = calls[4][3]
+    steps_and_evaluations = [c for c in calls if c[0] in ("step", "evaluate")]
+    assert [c[0] for c in steps_and_evaluations] == ["evaluate", "step", "step", "evaluate", "step", "evaluate"]
+    precision = steps_and_evaluations[0][-1]
+    assert isinstance(precision, MixedPrecision) and all(c[-1] is precision for c in steps_and_evaluations)
+    assert all(c[8] is True for c in steps_and_evaluations if c[0] == "step")  # shared-prefix rows: packed
+    assert calls == [("threads", 1), ("logits_chunks", 7), ("seed", 3, False),
+                     ("tokenizer", ("tok-folder",), {"trust_remote_code": True}), ("data", cfg, tokenizer, world, None),
+                     ("policy", cfg, world.device), *steps_and_evaluations,
+                     ("save", policy, tokenizer, result.run_dir, False)]
+
+
+def test_a_run_stopped_by_its_time_budget_resumes_to_the_uninterrupted_run_s_numbers(monkeypatch, tmp_path):
+    # each step reads 3 s of loop time (1 s of step, 2 s of logging): the budget of 4 s runs out in step 2
+    cfg, _, _, stopped_policy, _ = stand_in_run(monkeypatch, tmp_path, max_seconds=4.0)
+    stopped = dpo.train(cfg)
+    assert stopped.summary["steps"] == 2 and stopped.summary["pairs_seen"] == 4
+    assert stopped.summary["budget_stop"] == {"max_seconds": 4.0, "step": 2, "episode": 4}
+    assert sorted(p.name for p in (stopped.run_dir / "checkpoints").iterdir()) == ["step-2"]
+    cfg, _, _, resumed_policy, _ = stand_in_run(monkeypatch, tmp_path, resume="latest", allow_config_change=True)
+    resumed = dpo.train(cfg)
+    cfg, _, _, whole_policy, _ = stand_in_run(monkeypatch, tmp_path / "whole")
+    whole = dpo.train(cfg)
+    for a, b in zip(resumed_policy.parameters(), whole_policy.parameters()):
+        assert torch.equal(a, b)
+    assert not torch.equal(next(stopped_policy.parameters()), next(whole_policy.parameters()))
+    lines = [(result.run_dir / "metrics.jsonl").read_text().splitlines() for result in (resumed, whole)]
+    rows = [[{k: v for k, v in json.loads(line).items() if k != "elapsed_s"} for line in run] for run in lines]
+    assert rows[0] == rows[1] and len(rows[0]) == 6  # 3 evaluations, 3 steps
+    assert resumed.summary["steps"] == 3 and resumed.summary["pairs_seen"] == 5
+    assert resumed.summary["pairs_per_s"] == 1.0  # 1 pair in this session's 1 s of loop
+    assert resumed.summary["validation_margin"] == whole.summary["validation_margin"]
+
+
+def test_lora_adapters_and_gradient_checkpointing_come_after_the_reference_and_padded_rows_without_shared_prefix(
+        monkeypatch, tmp_path):
+    cfg, calls, _, policy, tokenizer = stand_in_run(monkeypatch, tmp_path, lora_r=1, gradient_checkpointing=True,
+                                                    shared_prefix=False, max_steps=1)
+    result = dpo.train(cfg)
+    names = [c[0] for c in calls]
+    assert names[names.index("policy") + 1 :] == ["lora", "checkpointing", "evaluate", "step", "evaluate", "save"]
+    assert calls[names.index("lora")] == ("lora", policy, cfg, "policy policy-folder")
+    assert calls[names.index("checkpointing")] == ("checkpointing", policy, "DPO policy")
+    assert calls[names.index("step")][8] is False  # padded rows
+    assert calls[-1] == ("save", policy, tokenizer, result.run_dir, True)  # the LoRA adapters merged
