@@ -551,3 +551,17 @@ def test_lora_adapters_and_gradient_checkpointing_come_after_the_reference_and_p
     assert calls[names.index("checkpointing")] == ("checkpointing", policy, "DPO policy")
     assert calls[names.index("step")][8] is False  # padded rows
     assert calls[-1] == ("save", policy, tokenizer, result.run_dir, True)  # the LoRA adapters merged
+
+
+def test_shared_precompute_passes_the_row_layout_on(monkeypatch):
+    seen = []
+    monkeypatch.setattr(dpo, "precompute_logps", lambda *a: seen.append(a) or POLICY)
+    model = object()
+    assert dpo.shared_precompute(model, BATCH[:2], PAD, True, parallel.SINGLE) == POLICY
+    assert seen == [(model, BATCH[:2], PAD, True)]
+
+
+def test_summary_pairs_per_second_is_rounded_to_one_decimal():
+    progress = {"step": 3, "pairs_seen": 24, "first": {}, "last_eval": {}, "last": {}, "skipped": 0, "budget_stop": None}
+    walls = {"setup": 0.0, "loop": 3.0, "evaluation": 0.0, "save": 0.0}
+    assert dpo.summary_fields(dpo_cfg(), dpo_data(), progress, walls, 0.0, 4)["pairs_per_s"] == 6.7  # 20 / 3
