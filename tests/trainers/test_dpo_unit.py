@@ -11,12 +11,15 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from rlhflab import parallel
+from rlhflab.callbacks import Callback
 from rlhflab.config import DPOConfig
 from rlhflab.errors import UserInputError
 from rlhflab.models.precision import MixedPrecision
+from rlhflab.tracking import RunDir
 from rlhflab.trainers import dpo
 from rlhflab.trainers.dpo_data import DPOData, PreferencePair
 from rlhflab.trainers.dpo_logps import SequenceLogps, pair_batch, precompute_logps, sequence_logps
+from rlhflab.trainers.given import Given
 
 
 def dpo_cfg(**fields) -> DPOConfig:
@@ -565,3 +568,27 @@ def test_summary_pairs_per_second_is_rounded_to_one_decimal():
     progress = {"step": 3, "pairs_seen": 24, "first": {}, "last_eval": {}, "last": {}, "skipped": 0, "budget_stop": None}
     walls = {"setup": 0.0, "loop": 3.0, "evaluation": 0.0, "save": 0.0}
     assert dpo.summary_fields(dpo_cfg(), dpo_data(), progress, walls, 0.0, 4)["pairs_per_s"] == 6.7  # 20 / 3
+
+
+def test_the_run_hands_its_world_settings_callbacks_and_verifier_on_or_writes_to_a_given_folder(monkeypatch, tmp_path):
+    cfg, calls, *_ = stand_in_run(monkeypatch, tmp_path, max_steps=1)
+    spied = []
+    for owner, name in ((dpo, "check_dpo_config"), (dpo, "precision_from_config"), (dpo, "reference_logps"),
+                        (dpo, "open_run"), (dpo, "make_optimizer"), (parallel, "wrap_model"),
+                        (parallel.World, "check_same"), (parallel.Wrapped, "prepare")):
+        real = getattr(owner, name)
+        monkeypatch.setattr(owner, name, lambda *a, _n=name, _f=real, **k: spied.append((_n, a, k)) or _f(*a, **k))
+    callbacks, verifier = (Callback(),), object()
+    dpo.train(cfg, given=Given(verifier=verifier, callbacks=callbacks))
+    seen = {name: (a, k) for name, a, k in spied}
+    world, wrapped = seen["check_dpo_config"][0][1], seen["prepare"][0][0]
+    assert seen["check_dpo_config"] == ((cfg, world), {}) and calls[4][3:] == (world, verifier)
+    assert seen["precision_from_config"] == ((cfg, world.device, "none"), {})
+    assert seen["check_same"] == ((world, TRAIN_PAIRS, "the tokenised training pairs"), {})
+    assert seen["reference_logps"][0][4] is world and seen["wrap_model"][0][1:] == (world, cfg.parallel_strategy)
+    assert seen["open_run"] == ((cfg, "dpo", wrapped.layout, callbacks), {})
+    assert seen["make_optimizer"][1] == {"fused": True} and seen["prepare"][0][2] == cfg.max_grad_norm
+    given = RunDir(tmp_path / "given")
+    spied.clear()
+    assert dpo.train(cfg, given).run_dir == given.path and "open_run" not in {name for name, *_ in spied}
+    assert len((given.path / "metrics.jsonl").read_text().splitlines()) == 3  # start, step 1, its evaluation
