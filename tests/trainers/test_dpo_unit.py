@@ -12,6 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from rlhflab import parallel
 from rlhflab.callbacks import Callback
+from rlhflab.checkpoint.folder import load_checkpoint
 from rlhflab.config import DPOConfig
 from rlhflab.errors import UserInputError
 from rlhflab.models.precision import MixedPrecision
@@ -386,7 +387,7 @@ def test_shared_precompute_computes_this_rank_s_block_only():
     assert isinstance(none, SequenceLogps) and [t.shape for t in none] == [(0,)] * 4
 
 
-@pytest.mark.parametrize("lora_r, tokenizer, device", [(0, "", None), (8, "tok-folder", "meta")])
+@pytest.mark.parametrize("lora_r, tokenizer, device", [(0, "", None), (8, "tok-folder", "meta"), (1, "", "cpu")])
 def test_build_policy_loads_the_model_in_float32_unless_lora_trains_it(monkeypatch, lora_r, tokenizer, device):
     calls = []
     monkeypatch.setattr(dpo.models, "load_tokenizer", lambda *a, **k: calls.append(("tokenizer", a, k)) or "TOK")
@@ -404,16 +405,6 @@ def test_build_policy_loads_the_model_in_float32_unless_lora_trains_it(monkeypat
                      ("model", ("policy-folder",), {"dtype": "float16", "trust_remote_code": True,
                                                     "device": device or "RESOLVED"}),
                      *([] if lora_r else [("float32", "LOADED", "policy policy-folder")]), ("dropout", kept)]
-
-
-def test_lora_rank_1_trains_adapters_and_rank_0_the_whole_model_in_float32(monkeypatch):
-    cast = []
-    monkeypatch.setattr(dpo.models, "load_tokenizer", lambda *a, **k: "TOK")
-    monkeypatch.setattr(dpo.models, "load_causal_lm", lambda *a, **k: "LOADED")
-    monkeypatch.setattr(dpo, "float32_for_training", lambda m, what: cast.append(m) or m)
-    monkeypatch.setattr(dpo.models, "disable_dropout", lambda m: None)
-    dpo.build_policy(dpo_cfg(lora_r=1), "cpu")
-    assert cast == []
 
 
 def test_summary_fields_hold_the_run_s_length_held_out_numbers_and_times(monkeypatch):
@@ -524,12 +515,22 @@ def test_a_run_steps_logs_evaluates_and_summarises_its_pairs(monkeypatch, tmp_pa
 def test_a_run_stopped_by_its_time_budget_resumes_to_the_uninterrupted_run_s_numbers(monkeypatch, tmp_path):
     # each step reads 3 s of loop time (1 s of step, 2 s of logging): the budget of 4 s runs out in step 2
     cfg, _, _, stopped_policy, _ = stand_in_run(monkeypatch, tmp_path, max_seconds=4.0)
+    monkeypatch.setattr(MixedPrecision, "state_dict", lambda self: {"scale": 7.0})  # as fp16's scaler would keep
     stopped = dpo.train(cfg)
     assert stopped.summary["steps"] == 2 and stopped.summary["pairs_seen"] == 4
     assert stopped.summary["budget_stop"] == {"max_seconds": 4.0, "step": 2, "episode": 4}
+    assert stopped.summary["nonfinite"] == {"mode": "stop", "skipped_updates": 0}
     assert sorted(p.name for p in (stopped.run_dir / "checkpoints").iterdir()) == ["step-2"]
+    saved = load_checkpoint(stopped.run_dir / "checkpoints" / "step-2")[2]["progress"]
+    assert (saved["loop_seconds"], saved["amp"], saved["skipped"]) == (6.0, {"scale": 7.0}, 0)
     cfg, _, _, resumed_policy, _ = stand_in_run(monkeypatch, tmp_path, resume="latest", allow_config_change=True)
+    loaded, savers, checkpointer = [], [], dpo.checkpointer
+    monkeypatch.setattr(MixedPrecision, "load_state_dict", lambda self, state: loaded.append(state))
+    monkeypatch.setattr(dpo, "checkpointer", lambda *a: savers.append(a) or checkpointer(*a))
     resumed = dpo.train(cfg)
+    assert loaded == [{"scale": 7.0}] and savers[0][2].step == 2 and isinstance(savers[0][4], torch.optim.AdamW)
+    # setup 1 s; step 3: 1 s of step, 2 s of logging and the last evaluation, 1 s of saving, 1 s of the last save
+    assert resumed.summary["wall_time_s"] == {"setup": 1.0, "loop": 1.0, "evaluation": 2.0, "save": 2.0, "total": 9.0}
     cfg, _, _, whole_policy, _ = stand_in_run(monkeypatch, tmp_path / "whole")
     whole = dpo.train(cfg)
     for a, b in zip(resumed_policy.parameters(), whole_policy.parameters()):
