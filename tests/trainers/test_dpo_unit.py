@@ -4,6 +4,7 @@ ones read means, which read the reference), the run's length in steps and pairs,
 import json
 import math
 from contextlib import contextmanager
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -273,12 +274,9 @@ def test_a_micro_batch_runs_in_one_forward_per_16_pairs_unless_length_chunks_say
     assert chunks == expected and type(chunks) is int
 
 
-class RecordingRun:
-    def __init__(self):
-        self.logged = []
-
-    def log(self, metrics, step):
-        self.logged.append((dict(metrics), step))
+def RecordingRun():  # noqa: N802 - a stand-in RunDir that keeps what is logged
+    logged = []
+    return SimpleNamespace(logged=logged, log=lambda metrics, step: logged.append((dict(metrics), step)))
 
 
 def dpo_data(train=(), validation=(), rows=(), verifier=None) -> DPOData:
@@ -303,8 +301,7 @@ def test_evaluate_gives_the_validation_pairs_metrics_and_the_verifier_s_pass_rat
 
 def test_evaluate_has_no_pass_rate_without_a_verifier_or_its_rows_and_logs_nothing_empty(monkeypatch):
     monkeypatch.setattr(dpo, "validate_pass_rate", lambda *a, **k: pytest.fail("no verifier: no answers"))
-    policy, run = tiny_llama(), RecordingRun()
-    tokenizer = SimpleNamespace(pad_token_id=PAD)
+    policy, run, tokenizer = tiny_llama(), RecordingRun(), SimpleNamespace(pad_token_id=PAD)
     assert dpo.evaluate(policy, tokenizer, dpo_data(rows=["row"]), None, dpo_cfg(), 3, run, False) == {}
     assert dpo.evaluate(policy, tokenizer, dpo_data(verifier=object()), None, dpo_cfg(), 3, run, False) == {}
     assert run.logged == [] and policy.training
@@ -589,7 +586,13 @@ def test_the_run_hands_its_world_settings_callbacks_and_verifier_on_or_writes_to
     assert seen["reference_logps"][0][4] is world and seen["wrap_model"][0][1:] == (world, cfg.parallel_strategy)
     assert seen["open_run"] == ((cfg, "dpo", wrapped.layout, callbacks), {})
     assert seen["make_optimizer"][1] == {"fused": True} and seen["prepare"][0][2] == cfg.max_grad_norm
-    given = RunDir(tmp_path / "given")
+    # SimPO (no reference) into a given folder, its one step dropped as non-finite, a time budget under 1 s
+    given, simpo = RunDir(tmp_path / "given"), replace(cfg, loss_type="simpo", nonfinite="skip", max_seconds=0.5)
     spied.clear()
-    assert dpo.train(cfg, given).run_dir == given.path and "open_run" not in {name for name, *_ in spied}
-    assert len((given.path / "metrics.jsonl").read_text().splitlines()) == 3  # start, step 1, its evaluation
+    monkeypatch.setattr(dpo, "clip_and_step", lambda *a, **k: None)
+    summary = dpo.train(simpo, given).summary
+    assert "open_run" not in {name for name, *_ in spied} and summary["nonfinite"] == {"mode": "skip",
+                                                                                       "skipped_updates": 1}
+    rows = [json.loads(line) for line in (given.path / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 3 and rows[1]["nonfinite/skipped_updates"] == 1  # start, step 1, its evaluation
+    assert summary["budget_stop"] == {"max_seconds": 0.5, "step": 1, "episode": 2}
