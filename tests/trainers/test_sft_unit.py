@@ -13,9 +13,12 @@ from tinyhf import build
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from rlhflab import data, parallel
+from rlhflab.callbacks import Callback
 from rlhflab.config import SFTConfig
 from rlhflab.models.precision import MixedPrecision
+from rlhflab.tracking import RunDir
 from rlhflab.trainers import sft
+from rlhflab.trainers.given import Given
 
 PAD = 0
 # prompt + completion of 5, 2 + 3, 4 + 1 and 3 + 2 tokens (the completions end with EOS 1)
@@ -362,6 +365,7 @@ def test_a_given_model_s_data_is_read_with_its_tokenizer_before_it_loads(monkeyp
     assert names == ["threads", "logits_chunks", "seed", "tokenizer", "data", "policy", "checkpointing", "step",
                      "evaluate", "save"]
     assert calls[3] == ("tokenizer", ("tok-folder",), {"trust_remote_code": True})
+    assert calls[4] == ("data", cfg, tokenizer)  # read with the given model's tokenizer, before the model loads
     assert calls[6] == ("checkpointing", model, "SFT model") and calls[7][7] is False  # padded, not packed
     assert calls[-1] == ("save", model, tokenizer, result.run_dir, True)
 
@@ -379,10 +383,14 @@ def test_an_sft_run_refuses_a_zero_length_batch_or_accumulation(monkeypatch, tmp
 
 def test_an_sft_run_resumed_from_its_checkpoint_ends_as_the_uninterrupted_one(monkeypatch, tmp_path):
     cfg, _, _, first, _ = stand_in_run(monkeypatch, tmp_path, max_steps=2, lr_schedule="constant", save_every=0)
+    monkeypatch.setattr(MixedPrecision, "state_dict", lambda self: {"scale": 7.0})  # as fp16's scaler would keep
     sft.train(cfg)
     cfg, calls, _, resumed_model, _ = stand_in_run(monkeypatch, tmp_path, resume="latest", allow_config_change=True,
                                                    lr_schedule="constant", save_every=0)
+    loaded = []
+    monkeypatch.setattr(MixedPrecision, "load_state_dict", lambda self, state: loaded.append(state))
     resumed = sft.train(cfg)
+    assert loaded == [{"scale": 7.0}]
     resumed_batches = [c[4] for c in calls if c[0] == "step"]
     cfg, _, _, whole_model, _ = stand_in_run(monkeypatch, tmp_path, folder="whole", lr_schedule="constant",
                                              save_every=0)
@@ -393,3 +401,31 @@ def test_an_sft_run_resumed_from_its_checkpoint_ends_as_the_uninterrupted_one(mo
     assert resumed_batches == [[EXAMPLES[i] for i in naive_stream(4, 2, 2, LENGTHS, 3, 3)[2]]]  # step 3's batch
     assert resumed.summary["final_loss"] == whole.summary["final_loss"]
     assert resumed.summary["validation"] == whole.summary["validation"]
+
+
+def test_an_sft_run_hands_its_world_and_settings_on_counts_dropped_steps_and_resumes_the_count(monkeypatch, tmp_path):
+    cfg, calls, sft_data, model, _ = stand_in_run(monkeypatch, tmp_path, max_steps=2, nonfinite="skip", save_every=0)
+    spied = []
+    for owner, name in ((sft, "precision_from_config"), (sft, "open_run"), (sft, "make_optimizer"), (sft, "use_packing"),
+                        (parallel, "wrap_model"), (parallel.World, "check_same"), (parallel.Wrapped, "prepare"),
+                        (type(model), "to")):
+        real = getattr(owner, name)
+        monkeypatch.setattr(owner, name, lambda *a, _n=name, _f=real, **k: spied.append((_n, a, k)) or _f(*a, **k))
+    monkeypatch.setattr(sft, "clip_and_step", lambda *a, **k: None)  # every step dropped as non-finite
+    callbacks = (Callback(),)
+    summary = sft.train(cfg, given=Given(callbacks=callbacks)).summary
+    seen = {name: (a, k) for name, a, k in spied}
+    world, wrapped = seen["check_same"][0][0], seen["prepare"][0][0]
+    assert seen["precision_from_config"] == ((cfg, world.device, "none"), {}) and seen["to"] == ((model, world.device), {})
+    assert seen["check_same"] == ((world, sft_data.train, "the tokenised SFT training data"), {})
+    assert seen["wrap_model"] == ((model, world, cfg.parallel_strategy), {})
+    assert seen["use_packing"] == ((cfg, model, False), {}) and seen["open_run"] == ((cfg, "sft", wrapped.layout, callbacks), {})
+    assert seen["make_optimizer"][1] == {"fused": True} and seen["prepare"][0][2] == cfg.max_grad_norm
+    assert summary["nonfinite"] == {"mode": "skip", "skipped_updates": 2}
+    cfg, *_ = stand_in_run(monkeypatch, tmp_path, resume="latest", allow_config_change=True, nonfinite="skip",
+                           save_every=0)
+    assert sft.train(cfg).summary["nonfinite"] == {"mode": "skip", "skipped_updates": 3}  # 2 before the resume
+    given = RunDir(tmp_path / "given")
+    spied.clear()
+    assert sft.train(stand_in_run(monkeypatch, tmp_path, max_steps=1)[0], given).run_dir == given.path
+    assert "open_run" not in {name for name, *_ in spied}
