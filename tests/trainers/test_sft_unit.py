@@ -128,8 +128,11 @@ def test_a_step_s_gradient_is_the_summed_completion_loss_over_the_step_s_tokens(
 
 def test_a_dropped_step_says_so_unless_fp16_s_scaler_skipped_it(monkeypatch):
     captured_step(monkeypatch, None)
+    layouts, micro_batches = [], sft.micro_batches
+    monkeypatch.setattr(sft, "micro_batches", lambda *a: layouts.append(a[3]) or micro_batches(*a))
     wrapped = RecordingWrapped(tiny_llama())
     stats = sft.train_step(wrapped, None, None, EXAMPLES[:1], PAD, SFTConfig())
+    assert layouts == [False]  # padded unless told
     assert math.isnan(stats.pop("grad_norm")) and stats["skipped"] is True and wrapped.syncs == [True]
     overflowed = MixedPrecision()
     overflowed.overflowed = True
@@ -295,10 +298,10 @@ def test_the_suite_s_demonstrations_with_its_validation_split_or_a_validation_fi
 
 
 def stand_in_run(monkeypatch, tmp_path, folder="run", **fields):
-    calls, tokenizer, ticks = [], SimpleNamespace(pad_token_id=PAD), iter(range(100, 10_000))
+    calls, tokenizer, ticks = [], SimpleNamespace(pad_token_id=PAD), iter(range(80, 10_000))
     sft_data = sft.SFTData(EXAMPLES, EXAMPLES[:2], [])
     model = tiny_llama()
-    monkeypatch.setattr(sft, "time", SimpleNamespace(time=lambda: float(next(ticks))))
+    monkeypatch.setattr(sft, "time", SimpleNamespace(time=lambda: 1.25 * next(ticks)))  # 1.25 s a reading
     monkeypatch.setattr(sft, "configure_threads", lambda n: calls.append(("threads", n)))
     monkeypatch.setattr(sft.models, "configure_logits_chunks", lambda mib: calls.append(("logits_chunks", mib)))
     monkeypatch.setattr(sft, "seed_everything", lambda *a: calls.append(("seed", *a)))
@@ -324,7 +327,7 @@ def test_an_sft_run_steps_on_its_batches_logs_evaluates_and_summarises(monkeypat
     rows = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "loss/sft" in r]
     evals = [r for r in rows if "val/loss" in r]
-    assert [(r["step"], r["elapsed_s"], r["tokens"]) for r in steps] == [(2, 1.0, steps[0]["tokens"]), (3, 2.0,
+    assert [(r["step"], r["elapsed_s"], r["tokens"]) for r in steps] == [(2, 1.25, steps[0]["tokens"]), (3, 2.5,
                                                                                                        steps[1]["tokens"])]
     assert [r["lr"] for r in steps] == pytest.approx([0.05 / 3, 0.0])  # linear decay over 3 steps
     assert [r["step"] for r in evals] == [2, 3]
@@ -345,7 +348,7 @@ def test_an_sft_run_steps_on_its_batches_logs_evaluates_and_summarises(monkeypat
     assert {k: summary[k] for k in ("stage", "final_loss", "validation", "wall_time_s", "model_dir", "nonfinite",
                                     "packing", "precision", "parallel")} == {
         "stage": "sft", "final_loss": steps[-1]["loss/sft"], "validation": {"val/loss": evals[-1]["val/loss"]},
-        "wall_time_s": {"sft": 3.0}, "model_dir": str(result.model_dir), "nonfinite": {"mode": "stop", "skipped_updates": 0},
+        "wall_time_s": {"sft": 3.8}, "model_dir": str(result.model_dir), "nonfinite": {"mode": "stop", "skipped_updates": 0},
         "packing": True, "precision": MixedPrecision().describe(),
         "parallel": {"strategy": "none", "world_size": 1, "sharded_state": False, "backend": None, "device": "cpu"}}
     assert summary["parameters"] == sum(p.numel() for p in model.parameters())
@@ -387,10 +390,11 @@ def test_an_sft_run_resumed_from_its_checkpoint_ends_as_the_uninterrupted_one(mo
     sft.train(cfg)
     cfg, calls, _, resumed_model, _ = stand_in_run(monkeypatch, tmp_path, resume="latest", allow_config_change=True,
                                                    lr_schedule="constant", save_every=0)
-    loaded = []
+    loaded, savers, checkpointer = [], [], sft.checkpointer
     monkeypatch.setattr(MixedPrecision, "load_state_dict", lambda self, state: loaded.append(state))
+    monkeypatch.setattr(sft, "checkpointer", lambda *a: savers.append(a) or checkpointer(*a))
     resumed = sft.train(cfg)
-    assert loaded == [{"scale": 7.0}]
+    assert loaded == [{"scale": 7.0}] and savers[0][2].step == 2 and isinstance(savers[0][4], torch.optim.AdamW)
     resumed_batches = [c[4] for c in calls if c[0] == "step"]
     cfg, _, _, whole_model, _ = stand_in_run(monkeypatch, tmp_path, folder="whole", lr_schedule="constant",
                                              save_every=0)
@@ -422,6 +426,8 @@ def test_an_sft_run_hands_its_world_and_settings_on_counts_dropped_steps_and_res
     assert seen["use_packing"] == ((cfg, model, False), {}) and seen["open_run"] == ((cfg, "sft", wrapped.layout, callbacks), {})
     assert seen["make_optimizer"][1] == {"fused": True} and seen["prepare"][0][2] == cfg.max_grad_norm
     assert summary["nonfinite"] == {"mode": "skip", "skipped_updates": 2}
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["nonfinite/skipped_updates"] for r in rows if "loss/sft" in r] == [2]  # logged at step 2
     cfg, *_ = stand_in_run(monkeypatch, tmp_path, resume="latest", allow_config_change=True, nonfinite="skip",
                            save_every=0)
     assert sft.train(cfg).summary["nonfinite"] == {"mode": "skip", "skipped_updates": 3}  # 2 before the resume
