@@ -89,3 +89,46 @@ def test_under_torchrun_the_launcher_s_late_copy_after_the_stop_is_dropped_and_a
         assert signal.getsignal(signal.SIGTERM) != stop._late_copy
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def test_under_torchrun_a_rank_leaving_with_an_error_outlives_the_launcher_s_sigterm_to_say_why(monkeypatch):
+    """A rank whose collective failed because another rank died leaves the loop with the error while torchrun, which
+    saw that rank die, SIGTERMs the ranks left. That SIGTERM must not kill this rank before the CLI prints which rank
+    ended and how to resume (seen once in 6 launches on a loaded machine: exit -15 and no line). Without a launcher,
+    or leaving without an error, the handlers from before come back at once."""
+    import os
+    import time
+
+    import pytest
+
+    from rlhflab.checkpoint.signals import REPEAT_WINDOW_S, StopSignals
+
+    def send(signum):
+        os.kill(os.getpid(), signum)
+        time.sleep(0.01)
+
+    caught = []
+    before = lambda signum, frame: caught.append(signum)  # noqa: E731
+    previous = {s: signal.signal(s, before) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+        with pytest.raises(RuntimeError), StopSignals() as stop:
+            raise RuntimeError("Connection reset by peer")
+        send(signal.SIGTERM)  # the launcher's, on its way as the error leaves: dropped
+        assert caught == [] and stop.requested is None
+        send(signal.SIGINT)  # only the launcher's SIGTERM: a Ctrl-C acts as before
+        assert caught == [signal.SIGINT] and signal.getsignal(signal.SIGINT) is before
+        stop._first_at -= REPEAT_WINDOW_S
+        send(signal.SIGTERM)  # later: the handler from before gets it, and stays
+        assert caught == [signal.SIGINT, signal.SIGTERM] and signal.getsignal(signal.SIGTERM) is before
+
+        with StopSignals():  # under the launcher, leaving without an error: restored at once
+            pass
+        assert signal.getsignal(signal.SIGTERM) is before
+        monkeypatch.delenv("TORCHELASTIC_RUN_ID")
+        with pytest.raises(RuntimeError), StopSignals():  # no launcher: restored at once
+            raise RuntimeError("Connection reset by peer")
+        assert signal.getsignal(signal.SIGTERM) is before and signal.getsignal(signal.SIGINT) is before
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)

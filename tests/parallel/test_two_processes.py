@@ -363,7 +363,9 @@ def test_a_rank_killed_in_a_sharded_save_ends_the_job_with_one_line_and_resume_t
     print(f"\nSFT FSDP2, rank 1 SIGKILLed while writing its shards of step-4: the job ended "
           f"{preempted['sft_ended_in']:.1f} s later")
     assert preempted["sft_code"] != 0 and preempted["sft_ended_in"] < 15
-    line = stop_lines(err, "stopped")[0]  # rank 0's one line: who died, how, where it waited, how to resume
+    lines = stop_lines(err, "stopped")
+    assert 0 in lines, err[-4000:]
+    line = lines[0]  # rank 0's one line: who died, how, where it waited, how to resume
     assert f"rank 1 of 2 (pid " in line and "SIGKILL" in line and "write_shards" in line, line
     assert f"last complete checkpoint {run / 'checkpoints' / 'step-2'}" in line and "--resume latest" in line
     assert not any(row.startswith("[rank0]:") for row in err.splitlines())  # no transport traceback on rank 0

@@ -10,7 +10,8 @@ Under torchrun / accelerate launch (TORCHELASTIC_RUN_ID set) the same signal aga
 of the first is the same notice delivered twice, not a request to quit at once: a scheduler that signals
 every process of the job (Slurm's preemption and scancel do) reaches each rank directly and once more through
 torchrun, which forwards what it receives to every worker (docs/scaling-out.md "Pre-emption and a rank
-that dies").
+that dies"). A rank leaving the loop with an error likewise drops a SIGTERM within that window: the launcher's,
+sent to the ranks left once one ended, must not cut short the line that says which one ended.
 """
 
 from __future__ import annotations
@@ -49,16 +50,25 @@ class StopSignals:
                 self._previous[signum] = signal.signal(signum, self._handle)
         return self
 
-    def __exit__(self, *exc) -> None:
-        # stopping after the checkpoint under a launcher: its copy of the notice may still be on its way
-        late = self.requested if self.requested is not None and self._same_notice(self.requested) else None
+    def __exit__(self, exc_type, *exc) -> None:
+        # under a launcher, a signal still on its way for what already happened is dropped for REPEAT_WINDOW_S:
+        # - stopping after the checkpoint: the launcher's copy of the notice;
+        # - leaving with an error (a collective failed because another rank ended): the SIGTERM the launcher sends
+        #   the ranks left once it sees one end, which would kill this rank before the CLI says which rank ended
+        #   and how to resume (cli.peer_lost; seen on a loaded machine: exit -15 and no line)
+        if self.requested is not None:
+            late = {self.requested} if self._same_notice(self.requested) else set()
+        elif exc_type is not None and launched():
+            late, self._first_at = {signal.SIGTERM}, time.monotonic()
+        else:
+            late = set()
         for signum, handler in self._previous.items():
-            signal.signal(signum, self._late_copy if signum == late else handler)
-        self._previous = {late: self._previous[late]} if late in self._previous else {}
+            signal.signal(signum, self._late_copy if signum in late else handler)
+        self._previous = {signum: handler for signum, handler in self._previous.items() if signum in late}
 
     def _late_copy(self, signum: int, frame) -> None:
-        """After the stop: a repeat within the window is dropped; anything later acts as it did before."""
-        if self._same_notice(signum):
+        """After the stop or the error: a signal within the window is dropped; anything later acts as before."""
+        if launched() and time.monotonic() - self._first_at < REPEAT_WINDOW_S:
             return
         signal.signal(signum, self._previous.pop(signum, signal.SIG_DFL))
         os.kill(os.getpid(), signum)
@@ -79,5 +89,9 @@ class StopSignals:
 
     def _same_notice(self, signum: int) -> bool:
         """A repeat that a launched worker gets twice for one notice (module doc)."""
-        return (signum == self.requested and "TORCHELASTIC_RUN_ID" in os.environ
-                and time.monotonic() - self._first_at < REPEAT_WINDOW_S)
+        return signum == self.requested and launched() and time.monotonic() - self._first_at < REPEAT_WINDOW_S
+
+
+def launched() -> bool:
+    """Whether torchrun / accelerate launch started this process."""
+    return "TORCHELASTIC_RUN_ID" in os.environ
