@@ -19,11 +19,10 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/rlhflab demo
 
-# the tests that start no process on both cores at once (pytest-xdist), then those that do (tests/conftest.py
-# marks them `processes`) one at a time: they start torchrun, the CLI and generators, and some read the clock
+# every test on both cores at once (pytest-xdist): a file whose tests share a torchrun launch, a demo run or a wheel
+# goes to one worker whole (tests/conftest.py); `-m "not processes"` leaves out the ones that start processes
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2 -m "not processes"
-	$(PY) -m pytest -q -m processes
+	$(PY) -m pytest -q -n 2
 
 # the documentation site (docs/, mkdocs.yml): served at http://127.0.0.1:8000 with live reload; docs-build fails
 # on a broken link or a missing API object, as CI's tests/docs/test_docs_build.py does

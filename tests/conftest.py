@@ -14,8 +14,8 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 
 # Test files that start processes (the CLI in a subprocess, torchrun, an async generator, a browser, a venv):
-# marked `processes`. `make test` runs the rest on both cores at once (pytest-xdist), then these one at a time,
-# so they neither fight another worker for the cores nor race its clock-bound checks.
+# marked `processes`, so `pytest -m "not processes"` is the quick in-process loop. `make test` runs every test on
+# two workers (pytest-xdist): their wall-clock bounds leave room for a second worker's load (5x or more).
 PROCESS_DIRS = ("parallel", "docs")
 PROCESS_FILES = {
     "checkpoint/test_damage.py", "checkpoint/test_ownership.py", "checkpoint/test_resume.py",
@@ -23,6 +23,13 @@ PROCESS_FILES = {
     "report/test_browser.py", "report/test_report_cli.py", "rewards/test_reward_faults.py", "test_compare.py",
     "test_gpu_check.py", "test_readme_walkthrough.py", "test_wheel.py", "tracking/test_tracking_real_backends.py",
     "trainers/test_async_generation.py", "trainers/test_dpo_resume.py", "trainers/test_online_resume.py",
+}
+# files whose tests share a costly module fixture (a torchrun launch, a demo run, a comparison, a wheel): one xdist
+# worker runs each of them whole, so the fixture is paid once, not once per worker (pytest_xdist_make_scheduler)
+SHARED_LAUNCH_FILES = {
+    "parallel/test_two_processes.py", "parallel/test_online_ranks.py", "parallel/test_deepspeed.py",
+    "parallel/test_deepspeed_online.py", "test_compare.py", "cli/test_cli.py", "report/test_browser.py",
+    "test_wheel.py",
 }
 TESTS = Path(__file__).parent
 
@@ -36,7 +43,8 @@ def pytest_collection_modifyitems(config, items):
     """Tests in files that start processes get the `processes` marker; tests marked `cuda` are skipped, with the
     reason, where torch sees no CUDA GPU."""
     for item in items:
-        if starts_processes(Path(item.fspath)):
+        path = Path(item.fspath)
+        if starts_processes(path):
             item.add_marker(pytest.mark.processes)
     if torch.cuda.is_available():
         return
@@ -44,3 +52,19 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("cuda") is not None:
             item.add_marker(skip)
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """Under `-n N` (xdist's default `--dist load`): tests go to workers one by one, except that a file of
+    SHARED_LAUNCH_FILES goes to one worker whole. (xdist's own `--dist loadgroup` cannot do it under pytest 9: it
+    renames items through `item._nodeid`, which pytest 9 no longer reads.)"""
+    if config.getvalue("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class SharedFixtureFilesWhole(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            file = nodeid.split("::", 1)[0]
+            return file if file.removeprefix("tests/") in SHARED_LAUNCH_FILES else nodeid
+
+    return SharedFixtureFilesWhole(config, log)
