@@ -43,9 +43,11 @@ def pytest_collection_modifyitems(config, items):
     """Tests in files that start processes get the `processes` marker; tests marked `cuda` are skipped, with the
     reason, where torch sees no CUDA GPU."""
     for item in items:
-        path = Path(item.fspath)
-        if starts_processes(path):
+        if starts_processes(Path(item.fspath)):
             item.add_marker(pytest.mark.processes)
+    # the long ones first (a stable sort: each file's tests stay together, in order): under `-n 2` the quick
+    # in-process tests then fill the gaps at the end instead of a minute-long test running alone on one worker
+    items.sort(key=lambda item: item.get_closest_marker("processes") is None)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU and torch sees none (benchmarks/gpu_check.sh runs these on one)")
