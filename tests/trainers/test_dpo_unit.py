@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from stage_stubs import PAD, RecordingWrapped, captured_step, recording_bars, tiny_llama
 
 from rlhflab import parallel
 from rlhflab.callbacks import Callback
@@ -140,7 +140,6 @@ def test_what_dpo_accepts_at_the_edges(caplog):
 
 # --- train_step, evaluate, the reference log-probs: a 1-layer Llama over 6 tokens and stand-ins ----------------
 
-PAD = 0
 # (chosen, rejected) lengths (8, 8) sharing 7 tokens, (4, 4) sharing 2, (6, 6) sharing 1: padded rows are 8, 4, 6
 # tokens long, packed rows 9, 6, 11, so the two length orders differ
 P_Y = PreferencePair([5, 3, 4, 2, 3, 4, 2, 1], [5, 3, 4, 2, 3, 4, 2, 4], 2, 2)
@@ -150,47 +149,6 @@ BATCH = [P_Y, P_Z, P_X]
 # a stored reference of BATCH, one distinct number per pair and side
 BATCH_REFERENCE = SequenceLogps(torch.tensor([-9.0, -3.0, -6.5]), torch.tensor([-8.0, -4.5, -7.0]),
                                 torch.tensor([6.0, 2.0, 5.0]), torch.tensor([6.0, 2.0, 5.0]))
-
-
-def tiny_llama() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=6, hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
-                         num_key_value_heads=2, pad_token_id=PAD, eos_token_id=1)
-    return LlamaForCausalLM(config).train()
-
-
-class RecordingWrapped:
-    """parallel.Wrapped of one process, recording each forward's arguments and each sync flag."""
-
-    def __init__(self, model):
-        self.model, self.world, self.forwards, self.syncs = model, parallel.SINGLE, [], []
-
-    def __call__(self, fn, *args):
-        self.forwards.append((fn, *args))
-        return fn(self.model, *args)
-
-    @contextmanager
-    def sync(self, enabled):
-        self.syncs.append(enabled)
-        yield
-
-    def backward(self, loss_part):
-        loss_part.backward()
-
-
-def captured_step(monkeypatch, grad_norm):
-    """clip_and_step replaced: records its arguments and the gradients it would clip; returns `grad_norm`."""
-    calls = []
-
-    def capture(optimizer, scheduler, params, max_grad_norm, loss, mode, stage, engine=None, precision=None):
-        params = list(params)
-        calls.append(dict(optimizer=optimizer, scheduler=scheduler, params=params, max_grad_norm=max_grad_norm,
-                          loss=loss, mode=mode, stage=stage, engine=engine, precision=precision,
-                          grads=[p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in params]))
-        return grad_norm
-
-    monkeypatch.setattr(dpo, "clip_and_step", capture)
-    return calls
 
 
 def naive_gradient(model, cfg, pairs, reference, weight=1.0):
@@ -207,7 +165,7 @@ def test_train_step_gives_the_whole_batch_gradient_from_length_sorted_micro_batc
     model = tiny_llama()
     cfg = dpo_cfg(beta=0.5, gradient_accumulation_steps=2, max_grad_norm=0.7, nonfinite="skip")
     expected_stats, expected_grads = naive_gradient(model, cfg, BATCH, BATCH_REFERENCE)
-    calls = captured_step(monkeypatch, torch.tensor(2.5))
+    calls = captured_step(monkeypatch, dpo, torch.tensor(2.5))
     wrapped, optimizer, scheduler, precision = RecordingWrapped(model), object(), object(), MixedPrecision()
     stats = dpo.train_step(wrapped, optimizer, scheduler, BATCH, BATCH_REFERENCE,
                            parallel.share_of(3, parallel.SINGLE), cfg, True, PAD, precision)
@@ -231,7 +189,7 @@ def test_train_step_reads_padded_lengths_and_no_reference_for_simpo(monkeypatch)
     model = tiny_llama()
     cfg = dpo_cfg(loss_type="simpo", beta=2.0, simpo_gamma=0.5)
     expected_stats, expected_grads = naive_gradient(model, cfg, BATCH, None)
-    calls = captured_step(monkeypatch, None)  # a dropped step
+    calls = captured_step(monkeypatch, dpo, None)  # a dropped step
     wrapped = RecordingWrapped(model)
     stats = dpo.train_step(wrapped, None, None, BATCH, None, parallel.share_of(3, parallel.SINGLE), cfg, False, PAD)
     # padded rows 8, 4, 6 tokens: one micro-batch sorted Z, X, Y; stats in batch order
@@ -254,7 +212,7 @@ def test_padding_rows_of_a_share_run_forward_with_no_weight(monkeypatch, accumul
     cfg = dpo_cfg(beta=0.5, gradient_accumulation_steps=accumulation)
     reference = SequenceLogps(*(t[:2] for t in BATCH_REFERENCE))
     _, expected_grads = naive_gradient(model, cfg, [P_Z], SequenceLogps(*(t[1:2] for t in reference)), weight=0.5)
-    calls = captured_step(monkeypatch, torch.tensor(1.0))
+    calls = captured_step(monkeypatch, dpo, torch.tensor(1.0))
     wrapped = RecordingWrapped(model)
     dpo.train_step(wrapped, None, None, [P_Y, P_Z], reference, parallel.Share([1, 0], 1, 2), cfg, True, PAD)
     assert [args[1] for args in wrapped.forwards] == ([[P_Z, P_Y]] if accumulation == 1 else [[P_Z], [P_Y]])
@@ -265,7 +223,7 @@ def test_padding_rows_of_a_share_run_forward_with_no_weight(monkeypatch, accumul
 @pytest.mark.parametrize("length_chunks, pairs, expected", [(0, 40, 2), (0, 8, 1), (3, 8, 3)])
 def test_a_micro_batch_runs_in_one_forward_per_16_pairs_unless_length_chunks_says(monkeypatch, length_chunks, pairs,
                                                                                    expected):
-    captured_step(monkeypatch, torch.tensor(1.0))
+    captured_step(monkeypatch, dpo, torch.tensor(1.0))
     wrapped = RecordingWrapped(tiny_llama())
     batch = [BATCH[i % 3] for i in range(pairs)]
     dpo.train_step(wrapped, None, None, batch, None, parallel.share_of(pairs, parallel.SINGLE),
@@ -463,8 +421,8 @@ def stand_in_run(monkeypatch, tmp_path, **fields):
     monkeypatch.setattr(dpo, "evaluate_on_main", lambda *a: calls.append(("evaluate", *a)) or evaluate(*a))
     cfg = dpo_cfg(model="policy-folder", tokenizer="tok-folder", trust_remote_code=True, output_dir=str(tmp_path / "run"),
                   batch_size=2, num_epochs=1, beta=0.5, learning_rate=0.05, warmup_steps=0, lr_schedule="linear",
-                  log_every=1, eval_every=2, save_every=2, threads=1, logits_chunk_mib=7, seed=3, progress=False,
-                  device="cpu", **fields)
+                  log_every=1, eval_every=2, save_every=2, threads=1, logits_chunk_mib=7, seed=3,
+                  device="cpu", **{"progress": False, **fields})
     return cfg, calls, data, policy, tokenizer
 
 
@@ -596,3 +554,17 @@ def test_the_run_hands_its_world_settings_callbacks_and_verifier_on_or_writes_to
     rows = [json.loads(line) for line in (given.path / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 3 and rows[1]["nonfinite/skipped_updates"] == 1  # start, step 1, its evaluation
     assert summary["budget_stop"] == {"max_seconds": 0.5, "step": 1, "episode": 2}
+
+
+def test_the_progress_bar_counts_the_steps_shows_only_when_asked_and_carries_the_logged_numbers(monkeypatch, tmp_path):
+    bars = recording_bars(monkeypatch, dpo)
+    for progress in (True, False):
+        cfg, *_ = stand_in_run(monkeypatch, tmp_path / str(progress), progress=progress)
+        dpo.train(cfg)
+    shown = dict(desc=f"dpo ({cfg.loss_type})", unit="step")
+    assert [(bar.steps, bar.shown) for bar in bars] == [([1, 2, 3], {**shown, "disable": False}),
+                                                         ([1, 2, 3], {**shown, "disable": True})]
+    rows = [json.loads(line) for line in (tmp_path / "True" / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert bars[0].postfixes == [dict(loss=f"{r['loss']:.3f}", acc=f"{r['rewards/accuracies']:.2f}")
+                                 for r in rows if "loss" in r] and len(bars[0].postfixes) == 3
+    assert not bars[0].closed  # closed early only when the time budget ends the run

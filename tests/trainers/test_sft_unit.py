@@ -9,8 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from stage_stubs import PAD, RecordingWrapped, captured_step, recording_bars, tiny_llama
 from tinyhf import build
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from rlhflab import data, parallel
 from rlhflab.callbacks import Callback
@@ -20,18 +20,10 @@ from rlhflab.tracking import RunDir
 from rlhflab.trainers import sft
 from rlhflab.trainers.given import Given
 
-PAD = 0
 # prompt + completion of 5, 2 + 3, 4 + 1 and 3 + 2 tokens (the completions end with EOS 1)
 EXAMPLES = [data.TokenizedSFT([5, 3], [4, 2, 1]), data.TokenizedSFT([5, 4, 2, 3], [1]),
             data.TokenizedSFT([5], [3, 4, 2, 2, 1]), data.TokenizedSFT([5, 2, 3], [4, 1])]
 LENGTHS = [5, 5, 6, 5]
-
-
-def tiny_llama() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=6, hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
-                         num_key_value_heads=2, pad_token_id=PAD, eos_token_id=1)
-    return LlamaForCausalLM(config).train()
 
 
 def naive_loss_sum(model, examples) -> torch.Tensor:
@@ -72,45 +64,13 @@ def test_packed_micro_batches_hold_whole_rows_no_longer_than_the_longest_sequenc
         [[5, 3, 4, 2, 2, 1]], [[5, 3, 4, 2, 1]], [[5, 4, 2, 3, 1]], [[5, 2, 3, 4, 1]]]
 
 
-class RecordingWrapped:
-    """parallel.Wrapped of one process, recording each sync flag."""
-
-    def __init__(self, model):
-        self.model, self.world, self.syncs = model, parallel.SINGLE, []
-
-    def __call__(self, fn, *args):
-        return fn(self.model, *args)
-
-    @contextmanager
-    def sync(self, enabled):
-        self.syncs.append(enabled)
-        yield
-
-    def backward(self, loss_part):
-        loss_part.backward()
-
-
-def captured_step(monkeypatch, grad_norm):
-    calls = []
-
-    def capture(optimizer, scheduler, params, max_grad_norm, loss, mode, stage, engine=None, precision=None):
-        params = list(params)
-        calls.append(dict(optimizer=optimizer, scheduler=scheduler, params=params, max_grad_norm=max_grad_norm,
-                          loss=loss, mode=mode, stage=stage, engine=engine, precision=precision,
-                          grads=[p.grad.clone() for p in params]))
-        return grad_norm
-
-    monkeypatch.setattr(sft, "clip_and_step", capture)
-    return calls
-
-
 @pytest.mark.parametrize("packing", [False, True])
 def test_a_step_s_gradient_is_the_summed_completion_loss_over_the_step_s_tokens(monkeypatch, packing):
     model = tiny_llama()
     (naive_loss_sum(model, EXAMPLES) / 11).backward()
     expected = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
-    calls = captured_step(monkeypatch, torch.tensor(1.5))
+    calls = captured_step(monkeypatch, sft, torch.tensor(1.5))
     wrapped, optimizer, scheduler, precision = RecordingWrapped(model), object(), object(), MixedPrecision()
     cfg = SFTConfig(gradient_accumulation_steps=2, max_grad_norm=0.3, nonfinite="skip")
     stats = sft.train_step(wrapped, optimizer, scheduler, EXAMPLES, PAD, cfg, packing, precision)
@@ -127,7 +87,7 @@ def test_a_step_s_gradient_is_the_summed_completion_loss_over_the_step_s_tokens(
 
 
 def test_a_dropped_step_says_so_unless_fp16_s_scaler_skipped_it(monkeypatch):
-    captured_step(monkeypatch, None)
+    captured_step(monkeypatch, sft, None)
     layouts, micro_batches = [], sft.micro_batches
     monkeypatch.setattr(sft, "micro_batches", lambda *a: layouts.append(a[3]) or micro_batches(*a))
     wrapped = RecordingWrapped(tiny_llama())
@@ -435,3 +395,20 @@ def test_an_sft_run_hands_its_world_and_settings_on_counts_dropped_steps_and_res
     spied.clear()
     assert sft.train(stand_in_run(monkeypatch, tmp_path, max_steps=1)[0], given).run_dir == given.path
     assert "open_run" not in {name for name, *_ in spied}
+
+
+def test_the_progress_bar_counts_the_steps_shows_only_when_asked_and_carries_the_logged_numbers(monkeypatch, tmp_path):
+    bars = recording_bars(monkeypatch, sft)
+    for progress in (True, False):
+        cfg, *_ = stand_in_run(monkeypatch, tmp_path, folder=f"run-{progress}", progress=progress)
+        sft.train(cfg)
+    assert [(bar.steps, bar.shown) for bar in bars] == [
+        ([1, 2, 3], dict(desc="sft", unit="step", disable=False)), ([1, 2, 3], dict(desc="sft", unit="step", disable=True))]
+    rows = [json.loads(line) for line in (tmp_path / "run-True" / "metrics.jsonl").read_text().splitlines()]
+    expected = []
+    for step in (2, 3):  # logged every 2 steps and at the end, evaluated the same
+        loss = f"{next(r for r in rows if r['step'] == step and 'loss/sft' in r)['loss/sft']:.3f}"
+        held_out = next(r for r in rows if r["step"] == step and "val/loss" in r)
+        expected += [dict(loss=loss), dict(loss=loss, **{k.replace("/", "_"): f"{v:.3f}" for k, v in held_out.items()
+                                                         if k.startswith("val/")})]
+    assert bars[0].postfixes == expected and len(expected[1]) > 1
