@@ -62,8 +62,11 @@ GROUPS: dict[str, list[str]] = {
     "checkpoint": ["tests/checkpoint/test_resume_units.py", "tests/checkpoint/test_state_units.py",
                    "tests/checkpoint/test_folder.py",
                    "tests/checkpoint/test_fingerprints.py", "tests/parallel/test_parallel_units.py"],
+    # test_sft_unit.py joined later: tests only added, so mutmut's stored selection fingerprint was moved to this
+    # one by hand (docs/mutation.md) rather than reset every verdict; its tests were traced as new ones
     "stages": ["tests/core", "tests/trainers/test_ppo_unit.py", "tests/trainers/test_online_dpo_unit.py",
-               "tests/trainers/test_dpo_unit.py", "tests/trainers/test_algorithm_units.py"],
+               "tests/trainers/test_dpo_unit.py", "tests/trainers/test_algorithm_units.py",
+               "tests/trainers/test_sft_unit.py"],
     # tests/rewards alone (~15 s, its tiny GRPO runs included): tests/trainers and tests/cli (tiny-model training,
     # CLI subprocesses) would take hours on 2 cores; rewards/ has its own unit tests in tests/rewards
     "rewards": ["tests/rewards"],
