@@ -3,6 +3,7 @@ Llama, a one-process parallel.Wrapped that records its forwards and sync flags, 
 progress bar that records what it was asked to show."""
 
 from contextlib import contextmanager
+from types import SimpleNamespace
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -68,6 +69,17 @@ class RecordingBar:
 
     def close(self):
         self.closed = True
+
+
+def recorded_run_setup(monkeypatch, trainer, calls: list, tokenizer, clock) -> None:
+    """`trainer`'s clock, thread / logits-chunk / seed settings, tokenizer loading and gradient checkpointing replaced,
+    each call recorded in `calls`; the tokenizer loads as `tokenizer`, the clock reads `clock()`."""
+    monkeypatch.setattr(trainer, "time", SimpleNamespace(time=clock))
+    monkeypatch.setattr(trainer, "configure_threads", lambda n: calls.append(("threads", n)))
+    monkeypatch.setattr(trainer.models, "configure_logits_chunks", lambda mib: calls.append(("logits_chunks", mib)))
+    monkeypatch.setattr(trainer, "seed_everything", lambda *a: calls.append(("seed", *a)))
+    monkeypatch.setattr(trainer.models, "load_tokenizer", lambda *a, **k: calls.append(("tokenizer", a, k)) or tokenizer)
+    monkeypatch.setattr(trainer.models, "enable_gradient_checkpointing", lambda *a: calls.append(("checkpointing", *a)))
 
 
 def recording_bars(monkeypatch, trainer) -> list[RecordingBar]:

@@ -365,6 +365,7 @@ def test_eval_hands_the_probe_its_model_settings_and_split(monkeypatch, tmp_path
     monkeypatch.setattr(eval_headroom, "eval_verifier", lambda cfg, rows: "verifier")
     monkeypatch.setattr(eval_headroom, "probe_headroom", lambda *a, **kw: {"rows": len(a[2]), **kw})
     RunDir(tmp_path / "ev").close()
+    # trust_remote_code asked for, as a user would: it must reach the (stand-in) loaders; its default stays False
     cfg = EvalConfig(model="m", tokenizer="t", trust_remote_code=True, dtype="bfloat16", device="cpu",
                      headroom_split="train", headroom_prompts=2, samples_per_prompt=3, eval_batch_size=7, seed=9,
                      temperature=0.6, max_new_tokens=5)

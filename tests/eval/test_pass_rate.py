@@ -217,6 +217,7 @@ def test_evaluate_hands_each_step_its_settings(monkeypatch, tmp_path):
     monkeypatch.setattr(pass_rate, "RunDir", run_dir)
     monkeypatch.setattr(pass_rate, "default_run_path", lambda stage: calls.setdefault("stage", stage) and tmp_path / "ev")
     monkeypatch.setattr(pass_rate, "time", SimpleNamespace(time=iter([1000.0, 1012.34, 0.0]).__next__))
+    # trust_remote_code asked for, as a user would: it must reach the (stand-in) loaders; its default stays False
     cfg = EvalConfig(model="m", trust_remote_code=True, dtype="bfloat16", device="cpu", seed=4, deterministic=True,
                      overwrite=True, progress=False)
     summary = evaluate(cfg).summary

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from stage_stubs import PAD, RecordingWrapped, captured_step, recording_bars, tiny_llama
+from stage_stubs import PAD, RecordingWrapped, captured_step, recorded_run_setup, recording_bars, tiny_llama
 
 from rlhflab import parallel
 from rlhflab.callbacks import Callback
@@ -320,6 +320,7 @@ def test_another_reference_is_loaded_like_the_policy_in_its_dtype_without_dropou
     monkeypatch.setattr(dpo, "can_pack", lambda model: packs.append(model) or False)
     monkeypatch.setattr(dpo, "shared_precompute", lambda *a: a)
     policy, world = tiny_llama().to(torch.float64), SimpleNamespace(device="meta")
+    # trust_remote_code asked for, as a user would: it must reach the (stand-in) loaders; its default stays False
     cfg = dpo_cfg(reference="ref-folder", dtype="bfloat16", trust_remote_code=True, shared_prefix=True)
     out = dpo.reference_logps(cfg, policy, dpo_data(train=[P_Z]), PAD, world)
     assert loaded == [(("ref-folder",), {"dtype": "bfloat16", "trust_remote_code": True, "device": "meta"}),
@@ -405,17 +406,12 @@ def stand_in_run(monkeypatch, tmp_path, **fields):
     calls, tokenizer, ticks = [], SimpleNamespace(pad_token_id=PAD), iter(range(100, 10_000))
     data = DPOData(TRAIN_PAIRS, [P_X, P_Z], [], None, "hand-made pairs")
     policy = tiny_llama()
-    monkeypatch.setattr(dpo, "time", SimpleNamespace(time=lambda: float(next(ticks))))
-    monkeypatch.setattr(dpo, "configure_threads", lambda n: calls.append(("threads", n)))
-    monkeypatch.setattr(dpo.models, "configure_logits_chunks", lambda mib: calls.append(("logits_chunks", mib)))
-    monkeypatch.setattr(dpo, "seed_everything", lambda *a: calls.append(("seed", *a)))
-    monkeypatch.setattr(dpo.models, "load_tokenizer", lambda *a, **k: calls.append(("tokenizer", a, k)) or tokenizer)
+    recorded_run_setup(monkeypatch, dpo, calls, tokenizer, clock=lambda: float(next(ticks)))
     monkeypatch.setattr(dpo, "load_dpo_data", lambda *a: calls.append(("data", *a)) or data)
     monkeypatch.setattr(dpo, "build_policy", lambda *a: calls.append(("policy", *a)) or (policy, tokenizer))
     monkeypatch.setattr(dpo, "save_policy_folder",
                         lambda *a: calls.append(("save", *a)) or tmp_path / "run" / "model")
     monkeypatch.setattr(dpo, "add_lora", lambda *a: calls.append(("lora", *a)) or a[0])
-    monkeypatch.setattr(dpo.models, "enable_gradient_checkpointing", lambda *a: calls.append(("checkpointing", *a)))
     step, evaluate = dpo.train_step, dpo.evaluate_on_main  # run, their arguments recorded
     monkeypatch.setattr(dpo, "train_step", lambda *a: calls.append(("step", *a)) or step(*a))
     monkeypatch.setattr(dpo, "evaluate_on_main", lambda *a: calls.append(("evaluate", *a)) or evaluate(*a))

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from stage_stubs import PAD, RecordingWrapped, captured_step, recording_bars, tiny_llama
+from stage_stubs import PAD, RecordingWrapped, captured_step, recorded_run_setup, recording_bars, tiny_llama
 from tinyhf import build
 
 from rlhflab import data, parallel
@@ -261,14 +261,9 @@ def stand_in_run(monkeypatch, tmp_path, folder="run", **fields):
     calls, tokenizer, ticks = [], SimpleNamespace(pad_token_id=PAD), iter(range(80, 10_000))
     sft_data = sft.SFTData(EXAMPLES, EXAMPLES[:2], [])
     model = tiny_llama()
-    monkeypatch.setattr(sft, "time", SimpleNamespace(time=lambda: 1.25 * next(ticks)))  # 1.25 s a reading
-    monkeypatch.setattr(sft, "configure_threads", lambda n: calls.append(("threads", n)))
-    monkeypatch.setattr(sft.models, "configure_logits_chunks", lambda mib: calls.append(("logits_chunks", mib)))
-    monkeypatch.setattr(sft, "seed_everything", lambda *a: calls.append(("seed", *a)))
-    monkeypatch.setattr(sft.models, "load_tokenizer", lambda *a, **k: calls.append(("tokenizer", a, k)) or tokenizer)
+    recorded_run_setup(monkeypatch, sft, calls, tokenizer, clock=lambda: 1.25 * next(ticks))  # 1.25 s a reading
     monkeypatch.setattr(sft, "load_sft_data", lambda *a: calls.append(("data", *a)) or sft_data)
     monkeypatch.setattr(sft, "load_or_build_policy", lambda *a: calls.append(("policy", *a)) or (model, tokenizer))
-    monkeypatch.setattr(sft.models, "enable_gradient_checkpointing", lambda *a: calls.append(("checkpointing", *a)))
     monkeypatch.setattr(sft, "save_policy_folder", lambda *a: calls.append(("save", *a)) or tmp_path / folder / "model")
     step, evaluate = sft.train_step, sft.evaluate_now  # run, their arguments recorded
     monkeypatch.setattr(sft, "train_step", lambda *a: calls.append(("step", *a)) or step(*a))
