@@ -58,10 +58,12 @@ GROUPS: dict[str, list[str]] = {
     # narrowed from tests/checkpoint to its unit-level files: its SIGKILL / SIGTERM tests start CLI subprocesses
     # (~45 s), and its tiny-model trainings and resumes (test_faults.py, test_resume.py, test_write_failures.py, ...)
     # made each surviving mutant of resume.py run ~30-80 s of them on 2 shared cores; check_layout's and
-    # FollowerRun's tests are in test_parallel_units.py
+    # FollowerRun's tests are in test_parallel_units.py; test_signals_units.py joined later (signals.py; tests only
+    # added, so the stored selection fingerprint was moved by hand, docs/mutation.md), test_signals.py's CLI runs not
     "checkpoint": ["tests/checkpoint/test_resume_units.py", "tests/checkpoint/test_state_units.py",
                    "tests/checkpoint/test_folder.py",
-                   "tests/checkpoint/test_fingerprints.py", "tests/parallel/test_parallel_units.py"],
+                   "tests/checkpoint/test_fingerprints.py", "tests/parallel/test_parallel_units.py",
+                   "tests/checkpoint/test_signals_units.py"],
     # test_sft_unit.py joined later: tests only added, so mutmut's stored selection fingerprint was moved to this
     # one by hand (docs/mutation.md) rather than reset every verdict; its tests were traced as new ones
     "stages": ["tests/core", "tests/trainers/test_ppo_unit.py", "tests/trainers/test_online_dpo_unit.py",
@@ -107,6 +109,7 @@ MODULES: dict[str, str] = {
     "src/rlhflab/checkpoint/resume.py": "checkpoint",
     "src/rlhflab/checkpoint/state.py": "checkpoint",
     "src/rlhflab/checkpoint/ranks.py": "checkpoint",
+    "src/rlhflab/checkpoint/signals.py": "checkpoint",
     "src/rlhflab/rewards/functions.py": "rewards",
     "src/rlhflab/rewards/checker.py": "rewards",
     "src/rlhflab/rewards/combine.py": "rewards",
