@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet torch==2.13.0
 	# the rest by uv: the same versions as pip resolves, in ~8 s instead of ~47; the torch above satisfies
 	# torch>=2.6, so nothing is pulled for it
-	$(UV) pip install --quiet --python $(PY) -e ".[test]"
+	$(UV) pip install --quiet --compile-bytecode --python $(PY) -e ".[test]"
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -39,7 +39,7 @@ docs-build: $(STAMP)
 # mutation testing (benchmarks/mutation.py, docs/mutation.md): mutmut over every listed module, or one with
 # MODULE=src/rlhflab/core/losses.py; the table goes to mutants/table.md. Not part of CI (hours on 2 cores)
 $(VENV)/.mutation: $(STAMP) pyproject.toml
-	$(UV) pip install --quiet --python $(PY) -e ".[mutation]"
+	$(UV) pip install --quiet --compile-bytecode --python $(PY) -e ".[mutation]"
 	touch $@
 
 mutation: $(VENV)/.mutation
