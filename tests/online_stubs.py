@@ -143,3 +143,75 @@ def rollout_of(response_ids, lengths, eos, logprobs=None, ref_logprobs=None, ent
                    given(logprobs), given(ref_logprobs), torch.zeros(rows, width), given(entropy), torch.tensor(eos),
                    {"generation": 1.0, "forward": 0.5},
                    sampler_logprobs=None if sampler_logprobs is None else torch.tensor(sampler_logprobs))
+
+
+class LoopAlgorithm:
+    """The algorithm train_online is handed (test_online_loop_unit.py): advantages = the scores per token (returns
+    None), recording each call; a step metric of the passes' stats."""
+
+    name, critic, whole_groups, policy_gradient, group_relative, entropy_in_loss = "stub", False, False, True, False, False
+
+    def __init__(self, epochs: int = 2, group: int = 2, bad_update: int | None = None, returns: bool = False):
+        self.epochs, self.samples_per_prompt, self.bad_update, self.returns = epochs, group, bad_update, returns
+        self.batches, self.after, self.updates = [], [], 0
+
+    def param_groups(self, roles):
+        return [{"params": roles.trainable_parameters()}]
+
+    def advantages(self, batch):
+        self.updates += 1
+        self.batches.append(batch)
+        adv = batch.scores.unsqueeze(1).expand_as(batch.mask).clone()
+        if self.updates == self.bad_update:
+            adv[0, 0] = float("nan")
+        returns = adv.clone() if self.returns else None
+        return SimpleNamespace(advantages=adv, returns=returns, metrics={"adv/mean": adv.mean().item()})
+
+    def after_update(self, batch):
+        self.after.append(batch)
+
+    def step_metrics(self, stats):
+        return {"loss/stub": stats.get("loss", -1.0)}
+
+    def state_dict(self):
+        return {"updates": self.updates}
+
+    def load_state_dict(self, state):
+        self.updates = state["updates"]
+
+
+class LoopWatch:
+    """RunWatch's stand-in: records each observed row; stops at update `stop_at`; `finish` returns `monitored`."""
+
+    def __init__(self, monitor, run, roles, keep_best, signal, stop_at=None, monitored=None):
+        self.keep_best, self.signal, self.stop_at = keep_best, signal, stop_at
+        self.rows, self.finished, self.monitored, self.best = [], [], monitored or {}, None
+
+    def observe(self, step, metrics):
+        self.rows.append((step, dict(metrics)))
+
+    def should_stop(self, step, episode):
+        return step == self.stop_at
+
+    def finish(self, step, end):
+        self.finished.append((step, end))
+        return dict(self.monitored)
+
+
+class LoopSaver:
+    """The Checkpointer's stand-in: records step_done / finish with what pack() gave (a Progress-like dict)."""
+
+    def __init__(self, *args, **kwargs):
+        self.args, self.kwargs, self.calls = args, kwargs, []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def step_done(self, update, pack):
+        self.calls.append(("step", update, pack()))
+
+    def finish(self, done, pack):
+        self.calls.append(("finish", done, pack()))
