@@ -69,7 +69,12 @@ GROUPS: dict[str, list[str]] = {
     # one by hand (docs/mutation.md) rather than reset every verdict; its tests were traced as new ones
     "stages": ["tests/core", "tests/trainers/test_ppo_unit.py", "tests/trainers/test_online_dpo_unit.py",
                "tests/trainers/test_dpo_unit.py", "tests/trainers/test_algorithm_units.py",
-               "tests/trainers/test_sft_unit.py"],
+               "tests/trainers/test_sft_unit.py",
+               # joined for trainers/reward.py (tests only added, the fingerprint moved again): its unit tests and
+               # the step-loss ones; its tiny-backbone tests (test_reward.py) made each of train()'s mutants run
+               # ~12 trainings: 0.1 mutants a second, ~3 hours for the module on 2 cores
+               "tests/trainers/test_reward_pass_fail.py", "tests/trainers/test_reward_units.py",
+               "tests/trainers/test_reward_run_units.py", "tests/trainers/test_reward_data_units.py"],
     # tests/rewards alone (~15 s, its tiny GRPO runs included): tests/trainers and tests/cli (tiny-model training,
     # CLI subprocesses) would take hours on 2 cores; rewards/ has its own unit tests in tests/rewards
     "rewards": ["tests/rewards"],
