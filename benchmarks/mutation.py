@@ -55,7 +55,8 @@ GROUPS: dict[str, list[str]] = {
                *(f"tests/parallel/test_online_ranks.py::{name}" for name in (  # its unit tests, not its torchrun ones
                    "test_micro_batches_are_one_process_cut_shared_out_in_blocks_with_zero_weight_padding",
                    "test_a_global_batch_that_does_not_share_out_is_refused_with_sizes_that_do")),
-               "tests/trainers/test_online_loop_unit.py"],  # train_online itself, every collaborator stood in for
+               "tests/trainers/test_online_loop_unit.py",  # train_online itself, every collaborator stood in for
+               "tests/trainers/test_online_loop_unit2.py"],
     # narrowed from tests/checkpoint to its unit-level files: its SIGKILL / SIGTERM tests start CLI subprocesses
     # (~45 s), and its tiny-model trainings and resumes (test_faults.py, test_resume.py, test_write_failures.py, ...)
     # made each surviving mutant of resume.py run ~30-80 s of them on 2 shared cores; check_layout's and
