@@ -364,3 +364,55 @@ def test_the_start_up_and_the_time_budget_are_logged(monkeypatch, caplog):
     messages = [r.getMessage() for r in caplog.records if r.name == "rlhflab"]
     assert "STUB: 10 updates x 4 responses (2 per prompt), mixed precision no ({'layout': 'one'})" in messages
     assert "stub: max_seconds 6 spent at update 1 (episode 4)" in messages
+
+
+def test_the_filter_evaluations_and_headroom_run_rank_0s_whole_policy_under_generation_autocast(monkeypatch):
+    from tests.trainers.test_online_loop_unit import Harness
+
+    wholes, autocasts, filtered, schedulers = [], [], [], []
+    original = Harness.patch
+
+    def patch(self, mp, *a):
+        original(self, mp, *a)
+        self.ranks.whole_policy = lambda on_every_rank: wholes.append(on_every_rank) or __import__(
+            "contextlib").nullcontext("whole-policy")
+        mp.setattr(loop, "precision_from_config", lambda cfg, device, strategy: SimpleNamespace(
+            autocast="bf16", mode="no", metrics=dict, describe=dict))
+        mp.setattr(loop, "generation_autocast", lambda policy, autocast: autocasts.append((policy, autocast)) or
+                   __import__("contextlib").nullcontext())
+        mp.setattr(loop, "filtered_rows", lambda cfg, run, resumed, probe: filtered.append(cfg) or
+                   {"kept_indices": [0, 1, 2]})
+        make_scheduler = loop.make_scheduler
+        mp.setattr(loop, "make_scheduler", lambda opt, cfg, total: schedulers.append(opt) or
+                   make_scheduler(opt, cfg, total))
+
+    monkeypatch.setattr(Harness, "patch", patch)
+    h = train(monkeypatch, cfg=dict(filter_prompts="both", total_episodes=4))
+    assert wholes == [False] * 4 and autocasts == [("whole-policy", "bf16")] * 4  # filter, headroom, 2 evaluations
+    assert filtered == [h.cfg] and isinstance(schedulers[0], torch.optim.SGD)
+
+
+def test_a_given_run_folder_is_used_and_the_set_up_sees_the_prompts_and_the_optimiser(monkeypatch):
+    from tests.trainers.test_online_loop_unit import Harness, Run, loop_config
+
+    cfg = loop_config(filter_prompts="both")
+    h = Harness(monkeypatch, cfg, LoopAlgorithm())
+    verifier, seen, policies = SimpleNamespace(name="v"), {}, []
+    monkeypatch.setattr(loop, "open_run", lambda *a: pytest.fail("a run folder was given"))
+    monkeypatch.setattr(loop, "build_verifier", lambda c, prompts, given: seen.setdefault("prompts", prompts) and
+                        verifier)
+    monkeypatch.setattr(loop, "probe_train_prompts", lambda *a: seen.setdefault("probe", a) and {"kept_indices": [0, 1, 2]})
+    monkeypatch.setattr(loop, "filtered_rows", lambda cfg, run, resumed, probe: probe())
+    made = []
+    monkeypatch.setattr(loop, "make_optimizer", lambda groups, c, fused: made.append(
+        torch.optim.SGD(groups[0]["params"], lr=0.1)) or made[-1])
+    monkeypatch.setattr(h.trained, "prepare", lambda opt, norm: seen.setdefault("prepared", opt) and opt)
+    monkeypatch.setattr(loop, "Evaluator", lambda *a: SimpleNamespace(signal=SIGNAL, evaluate=lambda policy, step,
+                        episode: policies.append(policy) or {SIGNAL: 1.0, "episode": episode}))
+    checked = []
+    monkeypatch.setattr(h.world, "check_same", lambda value, what: checked.append((value, what)))
+    given = Run("/given")
+    result = loop.train_online(cfg, h.algorithm, run=given, reward_fn=h.reward)
+    assert result.run_dir == "/given" and given.summary["updates"] == 3 and h.run.summary is None
+    assert seen["prompts"].source == "stub" and seen["probe"][3] is verifier and seen["prepared"] is made[0]
+    assert checked == [([[10], [11], [12]], "the tokenised train prompts")] and policies == ["policy"] * 3
