@@ -416,3 +416,88 @@ def test_a_given_run_folder_is_used_and_the_set_up_sees_the_prompts_and_the_opti
     assert result.run_dir == "/given" and given.summary["updates"] == 3 and h.run.summary is None
     assert seen["prompts"].source == "stub" and seen["probe"][3] is verifier and seen["prepared"] is made[0]
     assert checked == [([[10], [11], [12]], "the tokenised train prompts")] and policies == ["policy"] * 3
+
+
+def test_the_start_headroom_is_probed_with_the_verifier(monkeypatch):
+    from tests.trainers.test_online_loop_unit import Harness, loop_config
+
+    cfg = loop_config()
+    h = Harness(monkeypatch, cfg, LoopAlgorithm())
+    verifier, probed = SimpleNamespace(name="v"), []
+    monkeypatch.setattr(loop, "build_verifier", lambda *a: verifier)
+    monkeypatch.setattr(loop, "record_start_headroom", lambda *a: probed.append(a))
+    loop.train_online(cfg, h.algorithm, reward_fn=h.reward)
+    assert probed[0][3] is verifier and probed[0][4] is cfg and probed[0][2] == ["v"]
+
+
+def test_each_checkpoint_packs_the_loops_state_at_that_update(monkeypatch):
+    h = train(monkeypatch)  # eval_every 2: update 1's checkpoint still holds the first evaluation
+    step_1 = h.savers[0].calls[0][2]
+    assert step_1.last == h.run.rows[0][1] and step_1.last_eval == {SIGNAL: 0.5, "episode": 0}
+    assert step_1.walls == {"setup": 1.0, "loop": 4.0, "evaluation": 2.0, "save": 0.0} and step_1.order == [1, 0, 2, 1]
+    assert (step_1.update, step_1.episode, step_1.finished) == (1, 4, False)
+
+
+def test_a_run_of_no_update_saves_the_starting_policys_numbers(monkeypatch):
+    h = train(monkeypatch, cfg=dict(total_episodes=2))  # fewer episodes than one batch: 0 updates
+    assert h.rollouts == [] and h.watches[0].finished == [(0, 0.5)]
+    assert h.run.summary["validation_reward"] == {"start": 0.5, "end": 0.5} and h.run.summary["updates"] == 0
+
+
+def test_a_resume_hands_the_checkpoint_its_objects_and_keeps_its_generated_count(monkeypatch):
+    unpacked = []
+    before = Progress(update=1, episode=4, order=[2], first={SIGNAL: 0.25}, last_eval={SIGNAL: 0.75},
+                      walls={"loop": 3.0}, generated=10)
+    monkeypatch.setattr(loop, "unpack_online", lambda *a, **k: unpacked.append((a, k)) or before)
+    resumed = SimpleNamespace(step=1, state={}, commit=lambda: None)
+    h = train(monkeypatch, resumed=resumed)
+    args, kwargs = unpacked[0]
+    passes = h.passes[0]
+    assert args[0] is resumed and args[1] is h.roles and args[6] is h.watches[0] and kwargs == {"trained": None}
+    assert isinstance(args[2], torch.optim.SGD) and args[3].get_last_lr() == [0.25] and args[4] is h.algorithm
+    assert h.run.summary["episodes_generated"] == 10 + 8
+    walls = h.run.summary["wall_time_s"]  # the checkpoint had no evaluation or save seconds: 0 from there
+    assert (walls["loop"], walls["evaluation"], walls["save"]) == (3.0 + 8.0, 2.0, 3.0)
+    assert passes["update"] == 2
+
+
+def test_a_one_answer_checkpoint_in_flight_is_drawn_again_whole(monkeypatch):
+    before = Progress(update=1, episode=2, order=[2], first={SIGNAL: 0.25}, last_eval={SIGNAL: 0.75},
+                      in_flight=[[2, [1, 0], 1]])
+    monkeypatch.setattr(loop, "unpack_online", lambda *a, **k: before)
+    h = train(monkeypatch, LoopAlgorithm(group=1), resumed=SimpleNamespace(step=1, state={}, commit=lambda: None),
+              cfg=dict(batch_size=2, total_episodes=4))
+    assert [r["batch_ids"] for r in h.rollouts] == [[1, 0]]
+
+
+def test_a_sharded_checkpoint_writes_the_optimisers_shards(monkeypatch):
+    from tests.trainers.test_online_loop_unit import Harness
+
+    log = []
+    original = Harness.patch
+
+    def patch(self, mp, *a):
+        original(self, mp, *a)
+        self.ranks.trained, self.ranks.sharded = Whole(log), True
+        self.ranks.trained.save_sharded = lambda optimizer, folder: log.append((optimizer, folder))
+
+    monkeypatch.setattr(Harness, "patch", patch)
+    h = train(monkeypatch)
+    h.savers[0].kwargs["write_shards"]("/f")
+    assert isinstance(log[-1][0], torch.optim.SGD) and log[-1][1] == "/f"
+
+
+def test_the_asynchronous_generator_is_handed_the_runs_objects(monkeypatch):
+    opened = []
+
+    @contextmanager
+    def async_rollouts(*a):
+        opened.append(a)
+        yield None
+
+    monkeypatch.setattr(loop, "async_rollouts", async_rollouts)
+    h = train(monkeypatch)
+    cfg, roles, tokenizer, settings, draws, prompt_ids, start, num_updates, in_flight, kept, world = opened[0]
+    assert cfg is h.cfg and roles is h.roles and tokenizer.eos_token_id == 9 and settings.max_new_tokens == 3
+    assert prompt_ids == [[10], [11], [12]] and (start, num_updates, in_flight, kept) == (0, 3, [], {})
+    assert world is h.world and draws.num_rows == 3
