@@ -501,3 +501,56 @@ def test_the_asynchronous_generator_is_handed_the_runs_objects(monkeypatch):
     assert cfg is h.cfg and roles is h.roles and tokenizer.eos_token_id == 9 and settings.max_new_tokens == 3
     assert prompt_ids == [[10], [11], [12]] and (start, num_updates, in_flight, kept) == (0, 3, [], {})
     assert world is h.world and draws.num_rows == 3
+
+
+def test_each_refill_round_is_sampled_like_the_first_with_its_own_round_number(monkeypatch):
+    from tests.trainers.test_online_loop_unit import Harness
+
+    calls, firsts = [], []
+    real = Harness.rollout_of_update
+    monkeypatch.setattr(Harness, "rollout_of_update", lambda self, *a: calls.append(a) or real(self, *a))
+
+    def refill(first, sample_round, groups, group, max_rounds, pad_id):
+        assert type(groups) is int
+        firsts.append(first)
+        return sample_round(3), {}
+
+    monkeypatch.setattr(loop, "refill", refill)
+    h = train(monkeypatch, cfg=dict(dynamic_sampling=True, total_episodes=4))
+    first, again = calls
+    assert again[0] is first[0] is h.ranks and again[3] == first[3] == [[10], [11], [12]]
+    assert [r.prompt for r in again[4]] == ["p0", "p1", "p2"] and again[5:9] == first[5:9]
+    assert again[9:] == (2, False, None, 2, 3) and first[9:] == (2, True, None, 2)
+    rollout, scores, valid, _ = real(h, *first)
+    assert torch.equal(firsts[0].rollout.response_ids, rollout.response_ids)
+    assert firsts[0].scores.tolist() == scores.tolist() and firsts[0].valid.tolist() == valid.tolist()
+
+
+def test_an_async_rollout_hands_on_what_the_generator_sampled(monkeypatch):
+    from tests.trainers.test_online_loop_unit import Harness
+
+    ahead = Ahead({1: 0}, lambda u: [0, 0, 1, 1])
+    sampled = []
+    real = Harness.rollout_of_update
+    monkeypatch.setattr(Harness, "rollout_of_update", lambda self, *a: sampled.append(a[11]) or real(self, *a))
+
+    @contextmanager
+    def async_rollouts(*a):
+        yield ahead
+
+    monkeypatch.setattr(loop, "async_rollouts", async_rollouts)
+    train(monkeypatch, cfg=dict(async_generation=True, total_episodes=4))
+    assert sampled[0][0].seconds == {"generation": 99.0} and sampled[0][1] == 0.5
+
+
+@pytest.mark.parametrize("bad", ["advantages", "returns"])
+def test_only_the_rows_with_non_finite_advantages_or_returns_are_named(monkeypatch, bad):
+    class OneRow(LoopAlgorithm):
+        def advantages(self, batch):
+            adv = super().advantages(batch)
+            adv.returns = adv.advantages.clone()
+            getattr(adv, bad)[2, 1] = float("nan")
+            return adv
+
+    with pytest.raises(FloatingPointError, match=r"non-finite advantages \(rollout rows \[2\], train prompts"):
+        train(monkeypatch, OneRow())
