@@ -554,3 +554,20 @@ def test_only_the_rows_with_non_finite_advantages_or_returns_are_named(monkeypat
 
     with pytest.raises(FloatingPointError, match=r"non-finite advantages \(rollout rows \[2\], train prompts"):
         train(monkeypatch, OneRow())
+
+
+def test_the_rollouts_forward_is_dropped_from_a_batch_with_an_invalid_row(monkeypatch):
+    import dataclasses
+
+    from tests.trainers.test_online_loop_unit import Harness
+
+    real = Harness.rollout_of_update
+
+    def with_forward(self, *a):
+        rollout, scores, valid, seconds = real(self, *a)
+        return dataclasses.replace(rollout, policy_forward="forward"), scores, valid, seconds
+
+    monkeypatch.setattr(Harness, "rollout_of_update", with_forward)
+    h = train(monkeypatch, valid=lambda update: torch.tensor([True, True, update != 2, True]))
+    assert [p["batch"].rollout.policy_forward for p in h.passes] == ["forward", None, "forward"]
+    assert h.passes[1]["batch"].rollout.response_ids.shape == (4, 3)
