@@ -571,3 +571,17 @@ def test_the_rollouts_forward_is_dropped_from_a_batch_with_an_invalid_row(monkey
     h = train(monkeypatch, valid=lambda update: torch.tensor([True, True, update != 2, True]))
     assert [p["batch"].rollout.policy_forward for p in h.passes] == ["forward", None, "forward"]
     assert h.passes[1]["batch"].rollout.response_ids.shape == (4, 3)
+
+
+def test_the_generator_gets_the_updated_roles(monkeypatch):
+    ahead = Ahead({1: 0}, lambda u: [0, 0, 1, 1])
+    pushed = []
+    ahead.after_update = lambda roles, update: pushed.append((roles, update))
+
+    @contextmanager
+    def async_rollouts(*a):
+        yield ahead
+
+    monkeypatch.setattr(loop, "async_rollouts", async_rollouts)
+    h = train(monkeypatch, cfg=dict(async_generation=True, total_episodes=4))
+    assert pushed == [(h.roles, 1)]
