@@ -270,3 +270,44 @@ def test_sampled_answers_are_drawn_with_sampling_on_at_temperature_one(monkeypat
     reward.sample_policy_answers(RMConfig(model="p", hard_negatives=1, progress=False, device="cpu"), "tok", items("p"))
     settings = generated[0][3]
     assert settings.do_sample is True and settings.temperature == 1.0 and (settings.top_k, settings.top_p) == (0, 1.0)
+
+
+@pytest.mark.parametrize("fields, refused", [
+    (dict(hard_negatives=1, train_file="p.jsonl"), ("hard negatives need the built-in suite's checker", "--hard_negatives",
+                                                    "drop --hard_negatives, or add the policy's failing answers to your pairs file")),
+    (dict(calibration_coef=0.5), ("the calibration term reads the policy's sampled answers", "--calibration_coef",
+                                  "add --hard_negatives 2 (answers sampled per prompt), or drop --calibration_coef")),
+    (dict(near_misses=1, train_file="p.jsonl"), ("near misses are built from the built-in suite's items", "--near_misses",
+                                                 "drop --near_misses, or add near-miss rejected answers to your pairs file"))])
+def test_each_refused_pairs_setting_says_what_where_and_what_to_do(monkeypatch, fields, refused):
+    stand_in_pairs(monkeypatch, [])
+    with pytest.raises(UserInputError) as error:
+        reward.load_pairs(RMConfig(**fields), "tok")
+    assert (error.value.what, error.value.where, error.value.fix) == refused
+
+
+def test_no_training_pairs_says_which_kinds_to_allow(monkeypatch):
+    stand_in_pairs(monkeypatch, [])
+    monkeypatch.setattr(reward.sources, "suite_pairs", lambda cfg, s: {split: [] for split in s})
+    with pytest.raises(UserInputError) as error:
+        reward.load_pairs(RMConfig(), "tok")
+    assert (error.value.what, error.value.fix) == ("no training pairs", "allow violation kinds the suite's families produce")
+
+
+def test_the_config_and_tokenizer_reach_every_source_and_decoder_framing_is_the_default(monkeypatch):
+    calls = []
+    stand_in_pairs(monkeypatch, calls)
+    cfg = RMConfig(near_misses=1, hard_negatives=1)
+    seen = []
+    for name in ("pair_prompt_sets", "suite_pairs", "near_miss_pairs"):
+        real = getattr(reward.sources, name)
+        monkeypatch.setattr(reward.sources, name, lambda c, *a, _f=real, _n=name: seen.append((_n, c)) or _f(c, *a))
+    sample = reward.sample_policy_answers
+    monkeypatch.setattr(reward, "sample_policy_answers", lambda c, tok, *a: seen.append(("sample", c, tok)) or
+                        sample(c, tok, *a))
+    monkeypatch.setattr(reward, "tokenize_pairs", lambda pairs, tok, max_length, encoder: seen.append(
+        ("tokenize", tok, encoder)) or [])
+    reward.load_pairs(cfg, "tok")
+    assert seen[:3] == [("pair_prompt_sets", cfg), ("suite_pairs", cfg), ("near_miss_pairs", cfg)]
+    assert [s for s in seen if s[0] == "sample"] == [("sample", cfg, "tok")] * 3
+    assert [s for s in seen if s[0] == "tokenize"] == [("tokenize", "tok", False)] * 3  # a decoder's framing

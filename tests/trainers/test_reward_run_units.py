@@ -206,3 +206,99 @@ def test_a_batch_of_one_pair_and_every_smallest_size_run_and_the_run_reads_its_s
     assert asked[0] == cfg.parallel_strategy and asked[2][2] == "ddp" and asked[2][0] is cfg
     build = next(c for c in calls if c[0] == "build")
     assert build[1][1].pad_token_id == PAD  # the tokenizer, for the pad id of the score head
+
+
+def test_a_run_hands_its_model_world_and_settings_on(monkeypatch, tmp_path):
+    from rlhflab import parallel
+    from rlhflab.callbacks import Callback
+    from rlhflab.tracking import RunDir
+    from rlhflab.trainers.given import Given
+
+    cfg, calls, model = stand_in_run(monkeypatch, tmp_path, gradient_checkpointing=True, num_epochs=1, save_every=0)
+    spied = []
+    for owner, name in ((reward, "open_run"), (reward, "make_optimizer"), (reward.models, "is_encoder_reward_model"),
+                        (parallel, "wrap_model"), (parallel.World, "check_same"), (parallel.Wrapped, "prepare")):
+        real = getattr(owner, name)
+        monkeypatch.setattr(owner, name, lambda *a, _n=name, _f=real, **k: spied.append((_n, a, k)) or _f(*a, **k))
+    callbacks = (Callback(),)
+    reward.train(cfg, given=Given(callbacks=callbacks))
+    seen = {name: (a, k) for name, a, k in spied}
+    world, wrapped = seen["check_same"][0][0], seen["prepare"][0][0]
+    assert ("checkpointing", model, "reward model") in calls
+    assert seen["is_encoder_reward_model"] == ((model,), {})
+    assert next(c for c in calls if c[0] == "pairs")[4] is world
+    assert seen["check_same"] == ((world, list(PAIRS), "the tokenised training pairs"), {})
+    assert seen["wrap_model"] == ((model, world, cfg.parallel_strategy), {})
+    assert seen["open_run"] == ((cfg, "rm", wrapped.layout, callbacks), {})
+    assert seen["make_optimizer"][1] == {"fused": True} and seen["prepare"][0][2] == cfg.max_grad_norm
+    given = RunDir(tmp_path / "given")
+    spied.clear()
+    assert reward.train(stand_in_run(monkeypatch, tmp_path, num_epochs=1)[0], given).run_dir == given.path
+    assert "open_run" not in {name for name, *_ in spied}
+
+
+@pytest.mark.parametrize("shared, together", [(True, 2), (False, 2), (True, 0)])
+def test_a_prompt_s_rows_go_side_by_side_only_with_the_grouped_scorer(monkeypatch, tmp_path, caplog, shared, together):
+    cfg, _, _ = stand_in_run(monkeypatch, tmp_path, num_epochs=1, save_every=0, prompt_rows_together=together)
+    monkeypatch.setattr(reward, "use_shared_prefix", lambda cfg, model: shared)
+    majors = []
+    real = reward.prompt_major
+    monkeypatch.setattr(reward, "prompt_major", lambda *a, **k: majors.append((a[2:], k)) or real(*a, **k))
+    with caplog.at_level("INFO", logger="rlhflab"):
+        summary = reward.train(cfg).summary
+    assert majors == ([((2, ), {"apart": reward.POLICY_ROWS})] if shared and together else [])
+    said = "reward model: prompt_rows_together needs the grouped scorer (shared_prefix), which this model does not " \
+           "run; rows are shuffled one by one"
+    assert (said in caplog.messages) is (together > 0 and not shared)
+    assert summary["shared_prefix"] is shared
+
+
+def test_a_resume_carries_the_dropped_step_count_the_weight_average_and_the_loss_scale_on(monkeypatch, tmp_path):
+    from rlhflab.models.precision import MixedPrecision
+
+    fields = dict(nonfinite="skip", average_weights=1.0, lr_schedule="constant", save_every=0)
+    cfg, _, _ = stand_in_run(monkeypatch, tmp_path, num_epochs=1, **fields)
+    monkeypatch.setattr(MixedPrecision, "state_dict", lambda self: {"scale": 7.0})  # as fp16's scaler would keep
+    drop = iter([None, torch.tensor(1.0), torch.tensor(1.0)] + [torch.tensor(1.0)] * 3)
+    real_step = reward.clip_and_step
+    monkeypatch.setattr(reward, "clip_and_step", lambda *a, **k: next(drop) and real_step(*a, **k))
+    reward.train(cfg)  # step 1 dropped
+    cfg, _, resumed_model = stand_in_run(monkeypatch, tmp_path, resume="latest", allow_config_change=True, **fields)
+    loaded = []
+    monkeypatch.setattr(MixedPrecision, "load_state_dict", lambda self, state: loaded.append(state))
+    summary = reward.train(cfg).summary
+    assert loaded == [{"scale": 7.0}] and summary["nonfinite"]["skipped_updates"] == 1
+    assert summary["averaged_steps"] == 6  # the first run's 3 steps and this one's
+
+
+class RecordingTotalBar:
+    """What `tqdm(total=..., **shown)` is handed, its updates and postfixes."""
+
+    def __init__(self, **shown):
+        self.shown, self.updates, self.postfixes, self.closed = shown, 0, [], False
+
+    def update(self, n):
+        self.updates += n
+
+    def set_postfix(self, **fields):
+        self.postfixes.append(fields)
+
+    def close(self):
+        self.closed = True
+
+
+def test_the_progress_bar_counts_steps_from_a_resume_on_and_shows_only_when_asked(monkeypatch, tmp_path):
+    bars = []
+    monkeypatch.setattr(reward, "tqdm", lambda **shown: bars.append(RecordingTotalBar(**shown)) or bars[-1])
+    for progress in (True, False):
+        cfg, *_ = stand_in_run(monkeypatch, tmp_path, folder=f"run-{progress}", progress=progress, num_epochs=1,
+                               save_every=0)
+        reward.train(cfg)
+    cfg, *_ = stand_in_run(monkeypatch, tmp_path, folder="run-True", progress=True, resume="latest",
+                           allow_config_change=True)
+    reward.train(cfg)
+    assert [bar.shown for bar in bars] == [dict(total=3, initial=0, desc="rm", unit="step", disable=False),
+                                           dict(total=3, initial=0, desc="rm", unit="step", disable=True),
+                                           dict(total=6, initial=3, desc="rm", unit="step", disable=False)]
+    assert [bar.updates for bar in bars] == [3, 3, 3] and all(bar.closed for bar in bars)
+    assert len(bars[0].postfixes) == 2 and set(bars[0].postfixes[0]) == {"loss", "acc"}
