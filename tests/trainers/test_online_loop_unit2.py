@@ -585,3 +585,24 @@ def test_the_generator_gets_the_updated_roles(monkeypatch):
     monkeypatch.setattr(loop, "async_rollouts", async_rollouts)
     h = train(monkeypatch, cfg=dict(async_generation=True, total_episodes=4))
     assert pushed == [(h.roles, 1)]
+
+
+def test_the_summary_rounds_seconds_to_the_millisecond_and_names_the_given_reward(monkeypatch):
+    from tests.trainers.test_online_loop_unit import Harness, loop_config
+
+    cfg = loop_config(reward="auto", reward_model="", reward_fn="")
+    h = Harness(monkeypatch, cfg, LoopAlgorithm(), stop_at=2)
+    monkeypatch.setattr(h, "tick", lambda: setattr(h, "clock", h.clock + 0.5004) or h.clock)
+    monkeypatch.setattr(loop, "time", SimpleNamespace(time=h.tick))
+    verifier, stops, errors = SimpleNamespace(name="v"), [], []
+    monkeypatch.setattr(loop, "build_verifier", lambda *a: verifier)
+    monkeypatch.setattr(loop.rewards, "error_summary", lambda fn, v, world: errors.append(v) or {})
+    watch_stop = h.watches.append
+    monkeypatch.setattr(loop, "RunWatch", lambda *a: watch_stop(__import__("online_stubs").LoopWatch(*a)) or
+                        setattr(h.watches[-1], "should_stop", lambda step, episode: stops.append(episode)) or
+                        h.watches[-1])
+    given = loop.Given(reward_functions=[(lambda p, c, **k: [0.0] * len(c), 1.0)])
+    loop.train_online(cfg, h.algorithm, reward_fn=h.reward, given=given)
+    walls = h.run.summary["wall_time_s"]
+    assert walls["setup"] == 0.5 and walls["total"] == round(26 * 0.5004, 3) == 13.01
+    assert h.run.summary["reward"] == "functions" and errors == [verifier] and stops == [4, 8, 12]
